@@ -1,0 +1,163 @@
+"""Typed configuration schema. Hydra fills these dataclasses from ``conf/``.
+
+Every field has a default so that a structured config can be built from Python
+(tests, benchmarks) without Hydra. ``k3train.config.validate`` checks the whole
+tree once at start-up, before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    """K3 backbone hyper-parameters (K3_SPEC.md §1, §5). Defaults are ``k3_tiny``."""
+
+    name: str = "k3_tiny"
+    hidden_size: int = 64
+    num_layers: int = 9
+    vocab_size: int = 512
+    # 1-based indices of the MLA layers, as in the HF ``full_attn_layers`` field.
+    full_attn_layers: list[int] = field(default_factory=lambda: [4, 8, 9])
+    # Require the K3 pattern: MLA iff (l+1) % 4 == 0 or l is the last layer.
+    require_k3_layer_pattern: bool = True
+
+    # KDA
+    kda_num_heads: int = 2
+    kda_head_dim: int = 32
+    kda_conv_size: int = 4
+    kda_gate_lower_bound: float = -5.0
+
+    # Gated NoPE MLA
+    mla_num_heads: int = 2
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 16
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+
+    # Block Attention Residuals
+    attn_res_block_size: int = 4
+
+    # FFNs
+    first_k_dense: int = 1
+    dense_intermediate_size: int = 192
+    num_experts: int = 8
+    num_experts_per_token: int = 2
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 32
+    latent_size: int = 32  # routed_expert_hidden_size (ℓ)
+    routed_scaling_factor: float = 1.0
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+
+    # Quantile Balancing (§2.5)
+    qb_estimator: str = "histogram"  # "histogram" (App. D) or "exact"
+    qb_bins: int = 1000
+    qb_ema: float = 0.0  # 0 disables the EMA of the estimates
+
+    rms_norm_eps: float = 1e-5
+    init_std: float = 0.006
+    max_seq_len: int = 1048576
+
+    @property
+    def mla_layers(self) -> list[int]:
+        """0-based indices of the MLA layers."""
+        return sorted(i - 1 for i in self.full_attn_layers)
+
+    def is_mla(self, layer: int) -> bool:
+        return (layer + 1) in self.full_attn_layers
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.first_k_dense
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+    expert_tensor: int = 1
+    # "auto": nccl when CUDA is available, else gloo.
+    backend: str = "auto"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # "adamw" or "muon"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_fraction: float = 0.01
+    grad_clip: float = 1.0
+    # Muon (issue 4)
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    per_head_groups: list[str] = field(default_factory=lambda: ["kda_qkv", "mla_q_b", "mla_kv_b"])
+    qk_clip_tau: Optional[float] = None
+
+
+@dataclass
+class DataConfig:
+    # Prefixes of Megatron indexed datasets (path without .bin/.idx); weights optional.
+    # Empty: build the embedded default corpus into ``cache_dir`` on first use.
+    paths: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    tokenizer: Optional[str] = None  # a tokenizer.json; None uses the one built with the data
+    cache_dir: str = "${oc.env:K3TRAIN_CACHE,~/.cache/k3train}"
+    seq_len: int = 128
+    split: str = "98,2,0"
+    seed: int = 1234
+    num_workers: int = 0
+
+
+@dataclass
+class PrecisionConfig:
+    # "auto": bf16 on GPU, fp32 on CPU. Or "fp32" / "bf16".
+    dtype: str = "auto"
+    # "auto": Transformer Engine when importable, else torch. Or "torch" / "te".
+    linear_backend: str = "auto"
+    # Quantization-aware training of routed experts (issue 5): MXFP4 weights, MXFP8 inputs.
+    expert_qat: bool = False
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    seed: int = 1234
+    eval_every: int = 50
+    eval_iters: int = 4
+    log_every: int = 1
+    save_every: int = 100
+    out_dir: str = "runs/${model.name}"
+    # "auto": resume from the latest checkpoint in out_dir if one exists; "none"; or a path.
+    resume: str = "auto"
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    deterministic: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True
+    wandb_project: str = "k3train"
+    # "auto": online when WANDB_API_KEY is set, else offline.
+    wandb_mode: str = "auto"
+    console: bool = True
+
+
+@dataclass
+class K3Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
