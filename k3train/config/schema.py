@@ -109,7 +109,7 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     tokenizer: Optional[str] = None  # a tokenizer.json; None uses the one built with the data
-    cache_dir: str = "${oc.env:K3TRAIN_CACHE,~/.cache/k3train}"
+    cache_dir: str = "${oc.env:K3TRAIN_CACHE,'~/.cache/k3train'}"
     seq_len: int = 128
     split: str = "98,2,0"
     seed: int = 1234

@@ -44,6 +44,9 @@ class ParamRole:
     head_group: str | None = None
     head_dim: int | None = None
     tp_partition_dim: int | None = None
+    # >1 when the sharded dim interleaves several logical matrices (e.g. gate rows then up
+    # rows): each of the `stride` equal parts is sharded separately, as Megatron's stride.
+    tp_partition_stride: int = 1
 
     @property
     def no_weight_decay(self) -> bool:

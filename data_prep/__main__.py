@@ -1,0 +1,5 @@
+import sys
+
+from data_prep.tokenize_corpus import main
+
+sys.exit(main())

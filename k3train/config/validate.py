@@ -1,0 +1,108 @@
+"""Start-up validation of the whole config tree.
+
+Runs once, before any process group exists. Every error names the field and the fix.
+``world_size`` is the number of processes the job was launched with.
+"""
+
+from __future__ import annotations
+
+from k3train.config.schema import K3Config, ModelConfig
+
+
+class ConfigError(ValueError):
+    """A config field is invalid; the message names the field and how to fix it."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def k3_mla_layers(num_layers: int) -> list[int]:
+    """1-based MLA layers of the K3 pattern: every 4th layer, plus the last."""
+    return sorted({i for i in range(4, num_layers + 1, 4)} | {num_layers})
+
+
+def validate_model(m: ModelConfig, tp: int = 1, ep: int = 1) -> None:
+    for name in ("hidden_size", "num_layers", "vocab_size", "kda_num_heads", "kda_head_dim", "mla_num_heads",
+                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "dense_intermediate_size",
+                 "num_experts", "num_experts_per_token", "latent_size", "moe_intermediate_size",
+                 "kda_conv_size", "qb_bins"):
+        _need(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
+    _need(m.qk_rope_head_dim >= 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be >= 0")
+    _need(m.attn_res_block_size > 0,
+          f"model.attn_res_block_size={m.attn_res_block_size} must be positive (K3 uses 12; proxies use 2 or 4)")
+    bad = [i for i in m.full_attn_layers if not 1 <= i <= m.num_layers]
+    _need(not bad, f"model.full_attn_layers has {bad} outside 1..num_layers={m.num_layers} (indices are 1-based)")
+    if m.require_k3_layer_pattern:
+        want = k3_mla_layers(m.num_layers)
+        _need(sorted(m.full_attn_layers) == want,
+              f"model.full_attn_layers={sorted(m.full_attn_layers)} is not the K3 3:1 pattern with a final MLA "
+              f"layer for num_layers={m.num_layers}; set it to {want} or set model.require_k3_layer_pattern=false")
+    _need(m.num_experts_per_token < m.num_experts,
+          f"model.num_experts_per_token={m.num_experts_per_token} must be below model.num_experts={m.num_experts} "
+          f"(Quantile Balancing reads the (k+1)-th score)")
+    _need(0 <= m.first_k_dense <= m.num_layers, f"model.first_k_dense={m.first_k_dense} must be in 0..num_layers")
+    _need(-5.0 <= m.kda_gate_lower_bound < 0.0,
+          f"model.kda_gate_lower_bound={m.kda_gate_lower_bound} must be in [-5, 0): the chunked KDA kernel is "
+          f"exact only there (K3 uses -5)")
+    _need(m.qb_estimator in ("histogram", "exact"), f"model.qb_estimator={m.qb_estimator!r}: use histogram or exact")
+    _need(0.0 <= m.qb_ema < 1.0, f"model.qb_ema={m.qb_ema} must be in [0, 1)")
+    for name in ("kda_num_heads", "mla_num_heads", "vocab_size", "dense_intermediate_size",
+                 "moe_intermediate_size"):
+        value = getattr(m, name)
+        _need(value % tp == 0, f"model.{name}={value} is not divisible by parallel.tensor={tp}; "
+                               f"choose a tensor-parallel size that divides it")
+    _need(m.num_experts % ep == 0, f"model.num_experts={m.num_experts} is not divisible by parallel.expert={ep}; "
+                                   f"choose an expert-parallel size that divides it")
+
+
+def validate(cfg: K3Config, world_size: int = 1) -> None:
+    p = cfg.parallel
+    for name in ("tensor", "pipeline", "context", "expert", "expert_tensor"):
+        _need(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
+    _need(p.backend in ("auto", "gloo", "nccl"), f"parallel.backend={p.backend!r}: use auto, gloo or nccl")
+    for name in ("pipeline", "context", "expert"):
+        _need(getattr(p, name) == 1, f"parallel.{name}={getattr(p, name)} is not supported by the training loop "
+                                     f"yet; set parallel.{name}=1")
+    _need(p.expert_tensor == p.tensor, f"parallel.expert_tensor={p.expert_tensor} must equal parallel.tensor="
+                                       f"{p.tensor} (routed experts are split like dense layers)")
+    model_parallel = p.tensor * p.pipeline * p.context
+    _need(world_size % model_parallel == 0,
+          f"world size {world_size} is not divisible by parallel.tensor*pipeline*context={model_parallel}; "
+          f"launch a multiple of {model_parallel} processes")
+    validate_model(cfg.model, p.tensor, p.expert)
+
+    o = cfg.optim
+    _need(o.name in ("adamw", "muon"), f"optim.name={o.name!r}: use adamw or muon")
+    _need(o.lr > 0, f"optim.lr={o.lr} must be positive")
+    _need(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    _need(0.0 <= o.warmup_fraction < 1.0, f"optim.warmup_fraction={o.warmup_fraction} must be in [0, 1)")
+    _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two "
+                                                                   f"values in [0, 1)")
+    _need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+
+    t = cfg.train
+    dp = world_size // model_parallel
+    _need(t.steps > 0, f"train.steps={t.steps} must be positive")
+    _need(t.micro_batch_size > 0, f"train.micro_batch_size={t.micro_batch_size} must be positive")
+    _need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+          f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of {t.micro_batch_size * dp}")
+    _need(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
+    _need(t.eval_every >= 0 and t.save_every >= 0 and t.log_every > 0,
+          "train.eval_every and train.save_every must be >= 0 (0 disables) and train.log_every > 0")
+
+    d = cfg.data
+    _need(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
+    _need(not d.weights or len(d.weights) == len(d.paths),
+          f"data.weights has {len(d.weights)} entries but data.paths has {len(d.paths)}; give one weight per path "
+          f"or none")
+    parts = d.split.split(",")
+    _need(len(parts) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in parts),
+          f"data.split={d.split!r} must be three comma-separated weights, e.g. '98,2,0'")
+
+    pr = cfg.precision
+    _need(pr.dtype in ("auto", "fp32", "bf16"), f"precision.dtype={pr.dtype!r}: use auto, fp32 or bf16")
+    _need(pr.linear_backend in ("auto", "torch", "megatron", "te"),
+          f"precision.linear_backend={pr.linear_backend!r}: use auto, megatron or te")

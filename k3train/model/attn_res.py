@@ -1,0 +1,40 @@
+"""Block Attention Residuals (K3_SPEC.md §2.1, K3 report Eq. 8–10).
+
+There is no residual stream. Each aggregation site mixes a list of depth sources
+v_i ∈ R^d (the block bank plus the running partial sum) with a softmax over sources:
+
+    Agg(V) = Σ_i softmax_i( (w ⊙ γ) · v_i / rms(v_i) ) · v_i,   rms(v) = √(mean(v²) + 1e-5)
+
+w ([1, d], the pseudo-query) starts at 0 so the initial mix is uniform; γ ([d]) is a
+key-norm gain starting at 1. No 1/√d scaling; the weighted sum is over the raw v_i; fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3train.model.roles import Kind, ParamRole, set_role
+
+_RMS_EPS = 1e-5
+
+
+def attn_res_aggregate(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """Softmax-over-depth mix of ``sources`` (each [..., d]) → [..., d] in the sources' dtype."""
+    V = torch.stack(sources, dim=0).float()  # [S, ..., d]
+    keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
+    logits = (keys * (query.float().view(-1) * gain.float())).sum(-1)  # [S, ...]
+    weights = torch.softmax(logits, dim=0).unsqueeze(-1)
+    return (weights * V).sum(0).to(sources[0].dtype)
+
+
+class AttnResAggregator(nn.Module):
+    """One aggregation site: ``proj`` is the pseudo-query w [1, d], ``norm`` the gain γ [d]."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = set_role(nn.Parameter(torch.zeros(1, dim)), ParamRole(Kind.PSEUDO_QUERY))
+        self.norm = set_role(nn.Parameter(torch.ones(dim)), ParamRole(Kind.NORM))
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        return attn_res_aggregate(sources, self.proj, self.norm)

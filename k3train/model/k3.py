@@ -1,0 +1,58 @@
+"""The K3 language backbone (K3_SPEC.md §2): embedding → L K3 layers → AttnRes output → LM head.
+
+    P = embed(tokens); B = []
+    for l in layers: B, P = layer_l(B, P)
+    h = RMSNorm_final(Agg_out(B ∪ [P]));  logits = lm_head(h)   (vocabulary sharded over TP)
+
+``forward(tokens, position_ids, labels=None, loss_mask=None)`` returns the mean token loss
+when labels are given, else the (TP-local) logits [B, T, V/tp].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3train.config.schema import ModelConfig
+from k3train.model.attn_res import AttnResAggregator
+from k3train.model.documents import Documents
+from k3train.model.layer import K3Layer
+from k3train.model.moe import LatentMoE
+from k3train.model.norm import RMSNorm
+from k3train.model.roles import Kind
+from k3train.parallel.state import ParallelGroups
+from k3train.parallel.tensor_parallel import TPSpec
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, linear_backend: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = TPSpec(groups, cfg.init_std, linear_backend)
+        d = cfg.hidden_size
+        self.embed_tokens = self.tp.embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(K3Layer(cfg, self.tp, i) for i in range(cfg.num_layers))
+        self.output_attn_res = AttnResAggregator(d)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.lm_head = self.tp.column(d, cfg.vocab_size, what="model.vocab_size", kind=Kind.LM_HEAD)
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [m for m in self.modules() if isinstance(m, LatentMoE)]
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        docs = Documents.from_position_ids(position_ids)
+        partial = self.embed_tokens(tokens)
+        bank: list[torch.Tensor] = []
+        for layer in self.layers:
+            bank, partial = layer(bank, partial, docs)
+        h = self.norm(self.output_attn_res(bank + [partial]))
+        logits = self.lm_head(h)
+        if labels is None:
+            return logits
+        losses = self.tp.cross_entropy(logits, labels)
+        if loss_mask is None:
+            return losses.mean()
+        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)

@@ -1,0 +1,117 @@
+"""Kimi Delta Attention layer (K3_SPEC.md §2.2).
+
+Per token x ∈ R^d, heads H (local to this TP rank), head dim h, P = H·h:
+
+    q̃, k̃, ṽ = W_q x, W_k x, W_v x                      (column-parallel, [P] each)
+    q, k, v  = SiLU(causal_conv4(·))                   (depthwise, resets at document starts)
+    f        = W_fb W_fa x                             (low rank d → h → P)
+    g        = lb · σ(exp(A_log) · (f + dt_bias))       (log-decay in (lb, 0); inside the kernel)
+    β        = σ(W_b x)                                 ([H]; inside the kernel)
+    S_t      = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ,  o_t = S_tᵀ q_t / √h
+    y        = W_o · flatten(RMSNorm_w(o) ⊙ σ(W_g x))   (row-parallel)
+
+q and k are L2-normalised per head inside the kernel. The recurrence runs in
+``kernels.kda`` (Triton on GPU, a chunked PyTorch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.kda import kda as kda_op
+from k3train.config.schema import ModelConfig
+from k3train.model.documents import Documents
+from k3train.model.norm import rms_norm
+from k3train.model.roles import Kind, ParamRole, set_role
+from k3train.parallel.tensor_parallel import TPSpec
+
+
+def causal_conv_with_resets(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv, no bias, that never reads across a document start.
+
+    x: [B, T, C]; weight: [C, 1, W] (fp32); position_ids: [B, T] (position within document).
+    out[t] = Σ_{s=0}^{W-1} weight[:, 0, W-1-s] · x[t-s] · [position_ids[t] ≥ s]. Computed in fp32.
+    """
+    width = weight.shape[-1]
+    xf = x.float()
+    w = weight.float().squeeze(1)  # [C, W]
+    out = xf * w[:, width - 1]
+    for s in range(1, width):
+        shifted = F.pad(xf[:, :-s], (0, 0, s, 0))
+        valid = (position_ids >= s).unsqueeze(-1)
+        out = out + torch.where(valid, shifted, 0.0) * w[:, width - 1 - s]
+    return out.to(x.dtype)
+
+
+def init_dt_bias(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """dt ~ logU(1e-3, 1e-1), clamped ≥ 1e-4, stored as its inverse softplus dt + log(−expm1(−dt))."""
+    u = torch.rand(n, generator=generator)
+    dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp_min(1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA mixer. Input/output [B, T, d]; heads sharded over TP."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPSpec):
+        super().__init__()
+        self.tp = tp
+        d, h = cfg.hidden_size, cfg.kda_head_dim
+        heads = cfg.kda_num_heads
+        P = heads * h
+        self.head_dim = h
+        self.num_heads = tp.local(heads, "model.kda_num_heads")
+        self.lower_bound = cfg.kda_gate_lower_bound
+        self.eps = cfg.rms_norm_eps
+        P_local = self.num_heads * h
+
+        what = "model.kda_num_heads*kda_head_dim"
+        self.q_proj = tp.column(d, P, what=what, head_group="kda_qkv", head_dim=h)
+        self.k_proj = tp.column(d, P, what=what, head_group="kda_qkv", head_dim=h)
+        self.v_proj = tp.column(d, P, what=what, head_group="kda_qkv", head_dim=h)
+        self.g_proj = tp.column(d, P, what=what)
+        self.f_a_proj = tp.replicated(d, h)
+        self.f_b_proj = tp.column(h, P, what=what)
+        self.b_proj = tp.column(d, heads, what="model.kda_num_heads")
+        self.o_proj = tp.row(P, d, what=what)
+
+        def sharded(full: torch.Tensor, kind: Kind) -> nn.Parameter:
+            return set_role(nn.Parameter(tp.shard(full, 0)), ParamRole(kind, tp_partition_dim=0))
+
+        conv_std = 1.0 / math.sqrt(cfg.kda_conv_size)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            full = torch.empty(P, 1, cfg.kda_conv_size).uniform_(-conv_std, conv_std)
+            setattr(self, name, sharded(full, Kind.CONV))
+        self.A_log = sharded(torch.zeros(heads), Kind.GATE_PARAM)
+        self.dt_bias = sharded(init_dt_bias(P), Kind.GATE_PARAM)
+        # One head-wise RMSNorm gain shared by all heads (replicated under TP).
+        self.o_norm = set_role(nn.Parameter(torch.ones(h)), ParamRole(Kind.NORM))
+        assert self.dt_bias.numel() == P_local
+
+    def forward(self, x: torch.Tensor, docs: Documents) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, h = self.num_heads, self.head_dim
+        pos = docs.position_ids
+
+        def mix(proj: nn.Module, conv: torch.Tensor) -> torch.Tensor:
+            return F.silu(causal_conv_with_resets(proj(x), conv, pos)).view(B, T, H, h)
+
+        q, k, v = mix(self.q_proj, self.q_conv1d), mix(self.k_proj, self.k_conv1d), mix(self.v_proj, self.v_conv1d)
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, h)
+        b = self.b_proj(x).view(B, T, H)
+
+        # Pack the batch into one row so the kernel resets its state at every document start.
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(1, B * T, *t.shape[2:]).contiguous()
+
+        o, _ = kda_op(flat(q), flat(k), flat(v), flat(f), flat(b), self.A_log.float(), self.dt_bias.float(),
+                      lower_bound=self.lower_bound, cu_seqlens=docs.cu_seqlens, use_qk_l2norm=True)
+        o = o.view(B, T, H, h)
+        o = rms_norm(o, self.tp.copy_to_tp(self.o_norm), self.eps)
+        gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, h)
+        y = (o.float() * gate).to(x.dtype).reshape(B, T, H * h)
+        return self.o_proj(y)

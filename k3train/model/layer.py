@@ -1,0 +1,54 @@
+"""One K3 decoder layer with Block AttnRes (K3_SPEC.md §2.1).
+
+State carried across layers: the block bank B (list of [B, T, d]) and the partial sum P.
+For layer l with block size S:
+
+    x_a = RMSNorm_in(Agg_attn(B ∪ [P]))
+    if l % S == 0:  B.append(P); P = 0         (block write)
+    P  += Attn_l(x_a)
+    x_m = RMSNorm_post(Agg_mlp(B ∪ [P]))
+    P  += FFN_l(x_m)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3train.config.schema import ModelConfig
+from k3train.model.attn_res import AttnResAggregator
+from k3train.model.documents import Documents
+from k3train.model.kda import KimiDeltaAttention
+from k3train.model.mla import GatedMLA
+from k3train.model.mlp import SiTUMLP
+from k3train.model.moe import LatentMoE
+from k3train.model.norm import RMSNorm
+from k3train.parallel.tensor_parallel import TPSpec
+
+
+class K3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPSpec, layer_idx: int):
+        super().__init__()
+        d = cfg.hidden_size
+        self.layer_idx = layer_idx
+        self.writes_block = layer_idx % cfg.attn_res_block_size == 0
+        self.self_attention_res = AttnResAggregator(d)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.self_attn = GatedMLA(cfg, tp) if cfg.is_mla(layer_idx) else KimiDeltaAttention(cfg, tp)
+        self.mlp_res = AttnResAggregator(d)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        if cfg.is_moe(layer_idx):
+            self.mlp = LatentMoE(cfg, tp)
+        else:
+            self.mlp = SiTUMLP(tp, d, cfg.dense_intermediate_size, cfg.situ_beta, cfg.situ_linear_beta)
+
+    def forward(self, bank: list[torch.Tensor], partial: torch.Tensor, docs: Documents
+                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        x_a = self.input_layernorm(self.self_attention_res(bank + [partial]))
+        if self.writes_block:
+            bank = bank + [partial]
+            partial = self.self_attn(x_a, docs)
+        else:
+            partial = partial + self.self_attn(x_a, docs)
+        x_m = self.post_attention_layernorm(self.mlp_res(bank + [partial]))
+        return bank, partial + self.mlp(x_m)

@@ -1,0 +1,99 @@
+"""Gated NoPE Multi-head Latent Attention (K3_SPEC.md §2.3).
+
+Per token x ∈ R^d, heads H (local to this TP rank):
+
+    q        = W_qb · RMSNorm(W_qa x)               per head [nope | extra]   [H, n+r]
+    [c | k_r] = W_kva x                             c ∈ R^{kv_lora}, k_r ∈ R^r (shared by heads)
+    [k_n | v] = W_kvb · RMSNorm(c)                  per head [n | v]          [H, n+v]
+    k^h      = [k_n^h ; k_r]                        no rotary embedding anywhere
+    o        = softmax(q kᵀ / √(n+r), causal within each document) · v     (fp32 output)
+    y        = W_o (o ⊙ σ(W_g x))
+
+``max_logit`` [H] holds the running per-head maximum of the pre-softmax logits when
+``track_max_logit`` is set (QK-clip reads and resets it). It is computed block by block
+without keeping another score tensor for backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.config.schema import ModelConfig
+from k3train.model.documents import Documents
+from k3train.model.norm import RMSNorm
+from k3train.parallel.tensor_parallel import TPSpec
+
+_MAX_LOGIT_BLOCK = 256  # query rows per block when tracking the max logit
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPSpec):
+        super().__init__()
+        self.tp = tp
+        d = cfg.hidden_size
+        heads = cfg.mla_num_heads
+        self.num_heads = tp.local(heads, "model.mla_num_heads")
+        self.qk_nope_head_dim = n = cfg.qk_nope_head_dim
+        self.qk_rope_head_dim = r = cfg.qk_rope_head_dim
+        self.v_head_dim = v = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = 1.0 / math.sqrt(n + r)
+
+        what = "model.mla_num_heads"
+        self.q_a_proj = tp.replicated(d, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = tp.column(cfg.q_lora_rank, heads * (n + r), what=what, head_group="mla_q_b", head_dim=n + r)
+        self.kv_a_proj = tp.replicated(d, cfg.kv_lora_rank + r)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = tp.column(cfg.kv_lora_rank, heads * (n + v), what=what, head_group="mla_kv_b",
+                                   head_dim=n + v)
+        self.g_proj = tp.column(d, heads * v, what=what)
+        self.o_proj = tp.row(heads * v, d, what=what)
+
+        self.track_max_logit = False
+        self.register_buffer("max_logit", torch.full((self.num_heads,), float("-inf")), persistent=False)
+
+    def forward(self, x: torch.Tensor, docs: Documents) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, n, r, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, n + r)
+        c, k_r = self.kv_a_proj(x).split([self.kv_lora_rank, r], dim=-1)
+        k_n, val = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, H, n + v).split([n, v], dim=-1)
+        k_r = self.tp.copy_to_tp(k_r)  # shared by this rank's heads: its gradient is a TP partial sum
+        k = torch.cat([k_n, k_r.unsqueeze(2).expand(B, T, H, r)], dim=-1)
+
+        q, k, val = (t.transpose(1, 2) for t in (q, k, val))  # [B, H, T, D]
+        mask = None if docs.one_per_row else self._document_mask(docs)
+        if self.track_max_logit:
+            self._update_max_logit(q, k, docs)
+        o = F.scaled_dot_product_attention(q, k, val, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        o = o.float().transpose(1, 2).reshape(B, T, H * v)
+        y = o * torch.sigmoid(self.g_proj(x).float())
+        return self.o_proj(y.to(x.dtype))
+
+    @staticmethod
+    def _document_mask(docs: Documents) -> torch.Tensor:
+        """[B, 1, T, T] bool: causal and within one document."""
+        ids = docs.doc_ids
+        T = ids.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        return ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal).unsqueeze(1)
+
+    @torch.no_grad()
+    def _update_max_logit(self, q: torch.Tensor, k: torch.Tensor, docs: Documents) -> None:
+        """max over allowed (query, key) pairs of q·k·scale per head, in blocks of query rows."""
+        T = q.shape[2]
+        ids = docs.doc_ids
+        key_pos = torch.arange(T, device=q.device)
+        best = torch.full((q.shape[1],), float("-inf"), device=q.device)
+        for s in range(0, T, _MAX_LOGIT_BLOCK):
+            e = min(s + _MAX_LOGIT_BLOCK, T)
+            logits = torch.einsum("bhqd,bhkd->bhqk", q[:, :, s:e].float(), k.float()) * self.scale
+            allowed = (key_pos[None, :] <= key_pos[s:e, None]) & (ids[:, s:e, None] == ids[:, None, :])
+            logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+            best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))
+        self.max_logit.copy_(torch.maximum(self.max_logit.to(best.device), best))

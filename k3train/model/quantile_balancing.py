@@ -1,0 +1,112 @@
+"""Quantile Balancing of the router bias (K3_SPEC.md §2.5; K3 report App. C–D).
+
+Over all m tokens of a global step, with n experts, top-k and target load q = m·k/n:
+
+    r_ij = α_i − s_ij                    α_i: the (k+1)-th biased score of token i
+    b_j  = q-th smallest of r_{:, j}      (the k/n quantile of r_{:, j})
+    b    ← b − mean(b)                    applied from the next step
+
+Two estimators share one interface (``observe`` per micro-batch, ``update`` per step):
+
+- ``ExactQuantile`` keeps every r (tests and tiny runs; DP ranks all-gather);
+- ``HistogramQuantile`` scatter-adds r into B bins on [b_min − 1, b_max + 1] (integer counts,
+  one all-reduce per layer per step) and reads each expert's quantile off the cumulative
+  counts with linear interpolation inside the bin. Error ≤ one bin width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def target_load(num_tokens: int, top_k: int, num_experts: int) -> float:
+    return num_tokens * top_k / num_experts
+
+
+def exact_bias(r: torch.Tensor, top_k: int) -> torch.Tensor:
+    """b_j = the ⌈q⌉-th smallest r_{:, j} (1-based), mean-centred. r: [m, n] → [n]."""
+    m, n = r.shape
+    rank = max(1, math.ceil(target_load(m, top_k, n) - 1e-9))
+    b = r.float().kthvalue(rank, dim=0).values
+    return b - b.mean()
+
+
+def histogram_bias(counts: torch.Tensor, lo: float, width: float, q: float) -> torch.Tensor:
+    """Read each expert's q-quantile off integer bin counts [n, B] on [lo, lo + B·width], centred."""
+    cum = counts.cumsum(dim=1)
+    need = math.ceil(q - 1e-9)
+    bin_idx = (cum < need).sum(dim=1).clamp(max=counts.shape[1] - 1)  # first bin reaching ⌈q⌉
+    before = torch.where(bin_idx > 0, cum.gather(1, (bin_idx - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
+                         torch.zeros_like(bin_idx))
+    inside = counts.gather(1, bin_idx.unsqueeze(1)).squeeze(1)
+    frac = ((q - before.double()) / inside.double().clamp(min=1)).clamp(0.0, 1.0)
+    b = lo + (bin_idx.double() + frac) * width
+    b = b.float()
+    return b - b.mean()
+
+
+class QuantileBalancer:
+    """Per-layer QB state. ``observe`` routing stats each micro-batch; ``update`` once per step."""
+
+    def __init__(self, num_experts: int, top_k: int, estimator: str = "histogram", bins: int = 1000,
+                 ema: float = 0.0):
+        if estimator not in ("histogram", "exact"):
+            raise ValueError(f"model.qb_estimator={estimator!r}: use 'histogram' or 'exact'")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.estimator, self.bins, self.ema = estimator, bins, ema
+        self._r: list[torch.Tensor] = []
+        self._counts: torch.Tensor | None = None
+        self._tokens = 0
+        self._lo = 0.0
+        self._width = 1.0
+
+    def _begin(self, bias: torch.Tensor) -> None:
+        b_min, b_max = bias.min().item(), bias.max().item()
+        self._lo = b_min - 1.0
+        self._width = (b_max - b_min + 2.0) / self.bins
+        self._counts = torch.zeros(self.num_experts, self.bins, dtype=torch.int64, device=bias.device)
+
+    @torch.no_grad()
+    def observe(self, scores: torch.Tensor, cutoff: torch.Tensor, bias: torch.Tensor) -> None:
+        """scores [N, n] raw sigmoid, cutoff [N]: accumulate r = α − s of this micro-batch."""
+        r = cutoff.unsqueeze(1) - scores
+        self._tokens += r.shape[0]
+        if self.estimator == "exact":
+            self._r.append(r)
+            return
+        if self._counts is None:
+            self._begin(bias)
+        idx = ((r - self._lo) / self._width).floor().long().clamp_(0, self.bins - 1)  # [N, n]
+        self._counts.scatter_add_(1, idx.t(), torch.ones_like(idx.t()))
+
+    @torch.no_grad()
+    def update(self, bias: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        """Compute the new bias from this step's stats (pooled over ``group``) and write it in place."""
+        if self._tokens == 0:
+            return
+        if self.estimator == "exact":
+            r = torch.cat(self._r)
+            if group is not None and dist.get_world_size(group) > 1:
+                parts = [torch.empty_like(r) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, r, group=group)
+                r = torch.cat(parts)
+            new = exact_bias(r, self.top_k)
+        else:
+            counts = self._counts
+            tokens = torch.tensor([self._tokens], device=counts.device)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(counts, group=group)
+                dist.all_reduce(tokens, group=group)
+            q = target_load(int(tokens.item()), self.top_k, self.num_experts)
+            new = histogram_bias(counts, self._lo, self._width, q)
+        if self.ema > 0:
+            new = self.ema * bias + (1.0 - self.ema) * new
+            new = new - new.mean()
+        bias.copy_(new.to(bias.dtype))
+        self.reset()
+
+    def reset(self) -> None:
+        self._r, self._counts, self._tokens = [], None, 0

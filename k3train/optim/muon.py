@@ -1,0 +1,511 @@
+"""Per-head Muon + AdamW in one optimizer, distributed over data- and tensor-parallel ranks.
+
+``build_muon(named_params, cfg, dp_group=None, tp_group=None)`` returns a ``K3Muon``: one
+``torch.optim.Optimizer`` whose param groups are tagged ``optimizer="muon"`` or
+``optimizer="adamw"``. Which group a parameter joins comes from its declared role
+(``k3train.model.roles``), never from its name (see ``param_groups.py``).
+
+Muon step for the matrices (all Muon groups are processed together so that blocks of
+one shape from different parameters share a Newton–Schulz call):
+
+1. momentum ``m <- mu m + (1 - mu) g`` (EMA form), Nesterov look-ahead ``u = (1 - mu) g + mu m``;
+2. TP: matrices that must be orthogonalized whole but are sharded are all-gathered
+   (one collective for all of them); column-parallel per-head matrices stay local;
+3. every parameter is viewed as blocks (per head, per expert, or one whole matrix), made
+   wide (m <= n), and blocks of one shape are stacked into one batched NS call;
+4. DP: the blocks of every shape bucket are split over the DP ranks (balanced by NS
+   cost); each rank orthogonalizes its share and one all-gather brings all updates to
+   every rank, so per-rank NS work falls as 1/DP;
+5. ``p <- p (1 - lr wd) - lr * 0.2 sqrt(max(m, n)) * NS(u_block)``, with (m, n) the
+   *block* shape (docs/muon_notes.md explains why).
+
+The caller has already averaged gradients over DP. Every rank keeps the full momentum
+of its (TP-local) parameters, so the optimizer state is that of the 1-rank optimizer.
+
+A step whose gradients contain inf/NaN on any rank is skipped on all ranks: nothing
+(momentum, AdamW moments, step counters, weights) is touched. ``last_step_skipped`` and
+``num_skipped_steps`` report it, and a ``RuntimeWarning`` names the first bad parameter.
+
+This module imports only torch and k3train's light modules (no megatron-core), so the
+GPU benchmark can use it on a machine without megatron.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from k3train.optim.newton_schulz import default_ns_dtype, muon_update_scale, newton_schulz
+from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params
+from k3train.model.roles import get_role, require_role
+
+__all__ = ["K3Muon", "build_muon"]
+
+
+def _group_size(group) -> int:
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _group_rank(group) -> int:
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+@dataclass
+class _Item:
+    """One Muon parameter taking part in this step."""
+
+    param: torch.Tensor
+    group: dict
+    spec: MuonSpec
+    u: Optional[torch.Tensor] = None  # full-shape (TP-gathered) Nesterov momentum
+    update: Optional[torch.Tensor] = None  # [num_blocks, m, n] in parameter orientation
+
+
+@dataclass
+class _Bucket:
+    shape: tuple[int, int]  # canonical (wide) block shape
+    ns_steps: int
+    items: list[int]  # indices into the step's item list
+    sizes: list[int]  # blocks contributed by each item
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def block_cost(self) -> int:
+        m, n = self.shape
+        return m * m * n * self.ns_steps
+
+
+def assign_blocks(buckets: list[_Bucket], dp: int) -> list[list[int]]:
+    """Blocks of each bucket given to each DP rank: counts[b][r].
+
+    Deterministic (every rank computes the same plan). Each bucket is cut as evenly as
+    possible; its remainder blocks go to the ranks with the least NS cost so far, and
+    buckets are visited from the most expensive down (greedy longest-processing-time).
+    """
+    load = [0] * dp
+    counts: list[list[int]] = [[0] * dp for _ in buckets]
+    order = sorted(range(len(buckets)), key=lambda b: (-buckets[b].num_blocks * buckets[b].block_cost, b))
+    for b in order:
+        base, rem = divmod(buckets[b].num_blocks, dp)
+        c = [base] * dp
+        for r in sorted(range(dp), key=lambda r: (load[r], r))[:rem]:
+            c[r] += 1
+        for r in range(dp):
+            load[r] += c[r] * buckets[b].block_cost
+        counts[b] = c
+    return counts
+
+
+class K3Muon(torch.optim.Optimizer):
+    """Muon (per-head / whole / per-expert) for matrices and AdamW for the rest.
+
+    Param groups must carry ``optimizer`` = "muon" or "adamw". Muon groups use ``lr``,
+    ``weight_decay``, ``momentum``, ``nesterov``, ``ns_steps``, ``per_head_groups``;
+    AdamW groups use ``lr``, ``weight_decay``, ``betas``, ``eps``. Every group keeps its
+    base learning rate in ``initial_lr`` so ``torch.optim.lr_scheduler.LambdaLR`` scales
+    ``lr`` from it.
+
+    ``ns_dtype``: Newton–Schulz compute dtype (default bf16 on CUDA, fp32 on CPU).
+    ``ns_fn``: a replacement for ``newton_schulz`` with the same signature (e.g. a Triton
+    kernel). ``stack_max_blocks``: a parameter with at least this many blocks (e.g. an
+    expert stack) is its own batch instead of being copied into a shared stack.
+    """
+
+    def __init__(
+        self,
+        params,
+        *,
+        dp_group=None,
+        tp_group=None,
+        ns_dtype: Optional[torch.dtype] = None,
+        ns_fn: Optional[Callable[..., torch.Tensor]] = None,
+        stack_max_blocks: int = 64,
+    ):
+        defaults = dict(
+            optimizer="adamw",
+            lr=3e-3,
+            weight_decay=0.0,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            momentum=0.95,
+            nesterov=True,
+            ns_steps=5,
+            per_head_groups=[],
+        )
+        super().__init__(params, defaults)
+        self.dp_group = dp_group
+        self.tp_group = tp_group
+        self.ns_dtype = ns_dtype
+        self.ns_fn = ns_fn or newton_schulz
+        self.stack_max_blocks = stack_max_blocks
+        self.last_step_skipped = False
+        self.num_skipped_steps = 0
+        self.last_step_info: dict[str, Any] = {}
+        self._specs: dict[int, MuonSpec] = {}
+        for group in self.param_groups:
+            self._check_group(group)
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict) -> None:
+        param_group.setdefault("names", None)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("initial_lr", group["lr"])
+        if hasattr(self, "_specs"):
+            self._check_group(group)
+
+    def _check_group(self, group: dict) -> None:
+        kind = group["optimizer"]
+        if kind not in ("muon", "adamw"):
+            raise ValueError(f"param group optimizer must be 'muon' or 'adamw', got {kind!r}")
+        names = group.get("names")
+        if names is None:
+            names = group["names"] = [f"param{i}" for i in range(len(group["params"]))]
+        if len(names) != len(group["params"]):
+            raise ValueError("param group 'names' must list one name per parameter")
+        if kind == "muon":
+            tp = _group_size(self.tp_group)
+            for name, p in zip(names, group["params"]):
+                role = require_role(name, p)
+                self._specs[id(p)] = muon_spec(name, p, role, group["per_head_groups"], tp)
+
+    # -------------------------------------------------------------- state dict
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["k3_muon"] = {"num_skipped_steps": self.num_skipped_steps}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("k3_muon", {})
+        super().load_state_dict(state_dict)
+        self.num_skipped_steps = int(extra.get("num_skipped_steps", 0))
+        # The base class casts state to the parameter dtype; Muon keeps fp32 momentum for
+        # low-precision parameters, and AdamW's step counters must stay fp32.
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                if "momentum_buffer" in st:
+                    st["momentum_buffer"] = st["momentum_buffer"].to(self._state_dtype(p))
+        self._specs = {}
+        for group in self.param_groups:
+            self._check_group(group)
+
+    @staticmethod
+    def _state_dtype(p: torch.Tensor) -> torch.dtype:
+        return torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+
+    # -------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError("K3Muon does not support sparse gradients")
+                    grads.append(p.grad)
+        if not self._grads_finite(grads):
+            self.last_step_skipped = True
+            self.num_skipped_steps += 1
+            warnings.warn(
+                f"K3Muon: non-finite gradient ({self._first_bad_param()}); step skipped, "
+                f"optimizer state untouched ({self.num_skipped_steps} skipped so far)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return loss
+        self.last_step_skipped = False
+        for group in self.param_groups:
+            if group["optimizer"] == "adamw":
+                self._adamw_group(group)
+        self._muon_step()
+        return loss
+
+    def _grads_finite(self, grads: list[torch.Tensor]) -> bool:
+        if grads:
+            norms = torch._foreach_norm(grads)
+            bad = (~torch.isfinite(torch.stack([n.float() for n in norms]).sum())).float().reshape(1)
+        else:
+            bad = torch.zeros(1)
+        # Gradients differ between TP ranks; DP ranks hold averaged (equal) ones, but a
+        # skip must be unanimous, so reduce over both.
+        for group in (self.tp_group, self.dp_group):
+            if _group_size(group) > 1:
+                if dist.get_backend(group) == "nccl" and not bad.is_cuda:
+                    bad = bad.cuda()
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        return bad.item() == 0.0
+
+    def _first_bad_param(self) -> str:
+        for group in self.param_groups:
+            for name, p in zip(group["names"], group["params"]):
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    return f"first bad local parameter: '{name}'"
+        return "on another rank"
+
+    # ------------------------------------------------------------------- AdamW
+    def _adamw_group(self, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        by_key: dict[tuple, tuple[list, list, list, list, list]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            lists = by_key.setdefault((p.device, p.dtype), ([], [], [], [], []))
+            for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
+                lst.append(t)
+        for ps, gs, ms, vs, steps in by_key.values():
+            torch._foreach_add_(steps, 1.0)
+            kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
+            if hasattr(torch, "_fused_adamw_"):
+                torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, maximize=False, **kw)
+            else:  # pragma: no cover - very old torch
+                _foreach_adamw(ps, gs, ms, vs, steps, **kw)
+
+    # -------------------------------------------------------------------- Muon
+    def _muon_step(self) -> None:
+        items: list[_Item] = []
+        for group in self.param_groups:
+            if group["optimizer"] != "muon":
+                continue
+            ps, bufs, gs = [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(p, dtype=self._state_dtype(p))
+                buf = st["momentum_buffer"]
+                ps.append(p)
+                bufs.append(buf)
+                gs.append(p.grad if p.grad.dtype == buf.dtype else p.grad.to(buf.dtype))
+            if not ps:
+                continue
+            mu = group["momentum"]
+            torch._foreach_lerp_(bufs, gs, 1.0 - mu)
+            us = torch._foreach_lerp(gs, bufs, mu) if group["nesterov"] else bufs
+            for p, u in zip(ps, us):
+                items.append(_Item(p, group, self._specs[id(p)], u))
+        if not items:
+            self.last_step_info = {}
+            return
+        self._tp_gather(items)
+        buckets = self._make_buckets(items)
+        self._orthogonalize(items, buckets)
+        for group in self.param_groups:
+            if group["optimizer"] != "muon":
+                continue
+            gitems = [it for it in items if it.group is group]
+            if not gitems:
+                continue
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd != 0.0:
+                torch._foreach_mul_([it.param for it in gitems], 1.0 - lr * wd)
+            for it in gitems:
+                self._apply(it, lr)
+        self.last_step_info = {
+            "buckets": [(b.shape, b.num_blocks) for b in buckets],
+            "muon_params": len(items),
+        }
+
+    def _tp_gather(self, items: list[_Item]) -> None:
+        tp = _group_size(self.tp_group)
+        todo = [it for it in items if it.spec.gather_dim is not None]
+        if tp == 1 or not todo:
+            return
+        flat = torch.cat([it.u.reshape(-1) for it in todo])
+        out = [torch.empty_like(flat) for _ in range(tp)]
+        dist.all_gather(out, flat, group=self.tp_group)
+        off = 0
+        for it in todo:
+            n = it.u.numel()
+            pieces = [o[off : off + n].view(it.spec.local_shape) for o in out]
+            it.u = torch.cat(pieces, dim=it.spec.gather_dim)
+            off += n
+
+    def _make_buckets(self, items: list[_Item]) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        shared: dict[tuple, _Bucket] = {}
+        for i, it in enumerate(items):
+            shape, steps, nb = it.spec.canonical_shape, it.group["ns_steps"], it.spec.num_blocks
+            if nb >= self.stack_max_blocks:
+                buckets.append(_Bucket(shape, steps, [i], [nb]))
+                continue
+            key = (shape, steps, it.u.dtype, it.u.device)
+            if key not in shared:
+                shared[key] = _Bucket(shape, steps, [], [])
+                buckets.append(shared[key])
+            shared[key].items.append(i)
+            shared[key].sizes.append(nb)
+        return buckets
+
+    @staticmethod
+    def _canonical_blocks(it: _Item) -> torch.Tensor:
+        blocks = it.spec.blocks(it.u)
+        return blocks.mT if it.spec.transposed else blocks
+
+    def _bucket_input(self, items: list[_Item], bucket: _Bucket, lo: int, hi: int) -> Optional[torch.Tensor]:
+        """Blocks [lo, hi) of the bucket's virtual stack (a view when they come from one item)."""
+        parts = []
+        start = 0
+        for i, nb in zip(bucket.items, bucket.sizes):
+            a, b = max(lo, start), min(hi, start + nb)
+            if a < b:
+                parts.append(self._canonical_blocks(items[i])[a - start : b - start])
+            start += nb
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _ns(self, x: torch.Tensor, bucket: _Bucket) -> torch.Tensor:
+        m, n = bucket.shape
+        dtype = self.ns_dtype or default_ns_dtype(x.device)
+        return self.ns_fn(x, steps=bucket.ns_steps, scale=muon_update_scale(m, n), dtype=dtype)
+
+    def _orthogonalize(self, items: list[_Item], buckets: list[_Bucket]) -> None:
+        dp = _group_size(self.dp_group)
+        results: list[torch.Tensor] = []  # per bucket: [N, m, n] canonical
+        if dp == 1:
+            for b in buckets:
+                results.append(self._ns(self._bucket_input(items, b, 0, b.num_blocks), b))
+        else:
+            rank = _group_rank(self.dp_group)
+            counts = assign_blocks(buckets, dp)
+            device = items[0].u.device
+            dtype = self.ns_dtype or default_ns_dtype(device)
+            mine = []
+            totals = [0] * dp
+            for b, c in zip(buckets, counts):
+                m, n = b.shape
+                for r in range(dp):
+                    totals[r] += c[r] * m * n
+                lo = sum(c[:rank])
+                x = self._bucket_input(items, b, lo, lo + c[rank])
+                if x is not None:
+                    mine.append(self._ns(x, b).reshape(-1))
+            send = torch.zeros(max(totals), dtype=dtype, device=device)
+            if mine:
+                own = torch.cat(mine) if len(mine) > 1 else mine[0]
+                send[: own.numel()].copy_(own)
+            recv = [torch.empty_like(send) for _ in range(dp)]
+            dist.all_gather(recv, send, group=self.dp_group)
+            offs = [0] * dp
+            for b, c in zip(buckets, counts):
+                m, n = b.shape
+                segs = []
+                for r in range(dp):
+                    k = c[r] * m * n
+                    if k:
+                        segs.append(recv[r][offs[r] : offs[r] + k].view(c[r], m, n))
+                    offs[r] += k
+                results.append(torch.cat(segs) if len(segs) > 1 else segs[0])
+        for b, res in zip(buckets, results):
+            start = 0
+            for i, nb in zip(b.items, b.sizes):
+                blk = res[start : start + nb]
+                items[i].update = blk.mT if items[i].spec.transposed else blk
+                start += nb
+
+    def _apply(self, it: _Item, lr: float) -> None:
+        spec, p, upd = it.spec, it.param, it.update
+        if spec.gather_dim is None and p.is_contiguous():
+            spec.blocks(p).add_(upd, alpha=-lr)
+            return
+        full = upd.reshape(spec.full_shape) if spec.mode != "whole" else upd[0]
+        if spec.gather_dim is not None:
+            local = spec.local_shape[spec.gather_dim]
+            full = full.narrow(spec.gather_dim, _group_rank(self.tp_group) * local, local)
+        p.add_(full.reshape(p.shape), alpha=-lr)
+
+
+def _foreach_adamw(ps, gs, ms, vs, steps, *, lr, beta1, beta2, weight_decay, eps):  # pragma: no cover
+    torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
+    torch._foreach_lerp_(ms, gs, 1.0 - beta1)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gs, gs, 1.0 - beta2)
+    for p, m, v, s in zip(ps, ms, vs, steps):
+        t = s.item()
+        bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / bc1)
+
+
+def build_muon(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    cfg: Any,
+    dp_group=None,
+    tp_group=None,
+    **kwargs,
+) -> K3Muon:
+    """One optimizer: Muon for MATRIX / EXPERT_MATRIX roles, AdamW for everything else.
+
+    ``cfg`` is an ``OptimConfig`` (fields lr, weight_decay, betas, eps, muon_momentum,
+    muon_ns_steps, per_head_groups). Groups: "muon" (weight decay), "adamw" (weight
+    decay: embeddings, LM head, conv, ...), "adamw_no_wd" (norms, pseudo-queries, gate
+    params, vectors). Every parameter must declare a role; frozen ones are skipped.
+    ``kwargs`` go to ``K3Muon`` (ns_dtype, ns_fn, stack_max_blocks).
+    """
+    named_params = list(named_params)
+    split = split_params(named_params)
+    lr = float(cfg_get(cfg, "lr"))
+    wd = float(cfg_get(cfg, "weight_decay", 0.0))
+    betas = tuple(float(b) for b in cfg_get(cfg, "betas", (0.9, 0.95)))
+    eps = float(cfg_get(cfg, "eps", 1e-8))
+    groups = []
+    if split.muon:
+        groups.append(
+            dict(
+                params=[p for _, p in split.muon],
+                names=[n for n, _ in split.muon],
+                group_name="muon",
+                optimizer="muon",
+                lr=lr,
+                initial_lr=lr,
+                weight_decay=wd,
+                momentum=float(cfg_get(cfg, "muon_momentum", 0.95)),
+                nesterov=True,
+                ns_steps=int(cfg_get(cfg, "muon_ns_steps", 5)),
+                per_head_groups=list(cfg_get(cfg, "per_head_groups", [])),
+            )
+        )
+    for gname, plist, gwd in (("adamw", split.adamw_decay, wd), ("adamw_no_wd", split.adamw_no_decay, 0.0)):
+        if plist:
+            groups.append(
+                dict(
+                    params=[p for _, p in plist],
+                    names=[n for n, _ in plist],
+                    group_name=gname,
+                    optimizer="adamw",
+                    lr=lr,
+                    initial_lr=lr,
+                    weight_decay=gwd,
+                    betas=betas,
+                    eps=eps,
+                )
+            )
+    if not groups:
+        raise ValueError("build_muon: no trainable parameters")
+    return K3Muon(groups, dp_group=dp_group, tp_group=tp_group, **kwargs)

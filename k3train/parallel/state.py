@@ -1,0 +1,97 @@
+"""Process groups and the device: the one place that knows CPU from GPU.
+
+``init_parallel`` starts ``torch.distributed`` (from torchrun's environment, or as a
+single process), picks gloo on CPU and NCCL on GPU, and asks Megatron-Core's
+``parallel_state`` for the TP/PP/CP/EP/DP groups. Everything downstream receives a
+``ParallelGroups`` object explicitly; no module reaches for a global.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from k3train.config.schema import ParallelConfig
+
+
+@dataclass
+class ParallelGroups:
+    """Explicit process groups of one rank. ``tp``/``dp`` are None in a single process."""
+
+    tp: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    world_size: int = 1
+    rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """``auto`` is CUDA (the local rank's GPU) when available, else CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(cfg: ParallelConfig, device: torch.device) -> ParallelGroups:
+    """Initialise torch.distributed and Megatron-Core's model-parallel groups."""
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a plain `python -m k3train.train`: one process
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, **kwargs)
+
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor,
+            pipeline_model_parallel_size=cfg.pipeline,
+            context_parallel_size=cfg.context,
+            expert_model_parallel_size=cfg.expert,
+            expert_tensor_parallel_size=cfg.expert_tensor,
+        )
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,185 @@
+"""Tensor-parallel layer spec: builds the linears, embedding and loss of one TP rank.
+
+Model code asks a ``TPSpec`` for ``column``/``row``/``replicated`` linears and never
+branches on the backend itself (Megatron-Core's idea of specs that select the
+implementation). Backends:
+
+- ``torch``: plain ``nn.Linear``/``nn.Embedding``, one process, no groups. Used for meta-device
+  builds, unit tests of single modules, and parameter counting.
+- ``megatron``: Megatron-Core ``ColumnParallelLinear``/``RowParallelLinear``/
+  ``VocabParallelEmbedding`` and vocab-parallel cross-entropy over an explicit TP group.
+  Runs on CPU (gloo) and GPU (NCCL).
+- ``te``: Transformer Engine linears over the same TP group, when TE is importable on CUDA.
+
+Initialisation draws the *full* matrix from the torch RNG and keeps this rank's slice, so a
+model built with the same seed is the same model at any TP size.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.model.roles import Kind, ParamRole, set_role
+from k3train.parallel.state import ParallelGroups
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def _normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+class _ColumnParallel(nn.Module):
+    """Wraps Megatron-Core's column-parallel linear to return only the output: y = x Wᵀ (local rows)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[0]
+
+
+class TPSpec:
+    """Factory for the layers of one tensor-parallel rank."""
+
+    def __init__(self, groups: ParallelGroups | None, init_std: float, backend: str = "auto"):
+        self.groups = groups
+        self.init_std = init_std
+        self.size = groups.tp_size if groups else 1
+        self.rank = groups.tp_rank if groups else 0
+        if backend == "auto":
+            backend = "torch" if groups is None else ("te" if te_available() else "megatron")
+        if backend != "torch" and groups is None:
+            raise ValueError(f"precision.linear_backend={backend} needs initialised process groups")
+        if backend == "te" and not te_available():
+            raise ValueError("precision.linear_backend=te but transformer_engine is not importable on CUDA; "
+                             "install the 'te' extra or set precision.linear_backend=auto")
+        self.backend = backend
+        self._mcore_config = None
+        if backend != "torch":
+            from megatron.core.model_parallel_config import ModelParallelConfig
+
+            self._mcore_config = ModelParallelConfig(
+                tensor_model_parallel_size=self.size,
+                use_cpu_initialization=True,
+                params_dtype=torch.float32,
+            )
+
+    # --- helpers -------------------------------------------------------------------------
+    def local(self, n: int, what: str) -> int:
+        """Size of this rank's shard of a dimension of size ``n``."""
+        if n % self.size:
+            raise ValueError(f"{what}={n} is not divisible by parallel.tensor={self.size}")
+        return n // self.size
+
+    def shard(self, full: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
+        """This rank's slice of ``full`` along ``dim`` (each of ``stride`` parts split separately)."""
+        if self.size == 1:
+            return full
+        parts = full.chunk(stride, dim=dim)
+        return torch.cat([p.chunk(self.size, dim=dim)[self.rank] for p in parts], dim=dim).contiguous()
+
+    def copy_to_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """Identity forward, all-reduce of the gradient over TP (a replicated value read by sharded heads)."""
+        if self.size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        return copy_to_tensor_model_parallel_region(x, group=self.groups.tp)
+
+    def reduce_from_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) over TP forward, identity backward (partial sums of sharded experts)."""
+        if self.size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(x, group=self.groups.tp)
+
+    # --- layers --------------------------------------------------------------------------
+    def replicated(self, in_features: int, out_features: int, kind: Kind = Kind.MATRIX,
+                   head_group: str | None = None, head_dim: int | None = None) -> nn.Linear:
+        lin = nn.Linear(in_features, out_features, bias=False)
+        _normal_init(self.init_std)(lin.weight.data)
+        set_role(lin.weight, ParamRole(kind, head_group=head_group, head_dim=head_dim))
+        return lin
+
+    def column(self, in_features: int, out_features: int, *, what: str, kind: Kind = Kind.MATRIX,
+               head_group: str | None = None, head_dim: int | None = None) -> nn.Module:
+        """y_local = x W_localᵀ, W sharded on its output rows. Input gradient is all-reduced over TP."""
+        out_local = self.local(out_features, what)
+        if self.backend == "torch":
+            mod = self.replicated(in_features, out_features, kind)
+        elif self.backend == "megatron":
+            from megatron.core.tensor_parallel import ColumnParallelLinear
+
+            mod = _ColumnParallel(ColumnParallelLinear(
+                in_features, out_features, config=self._mcore_config, init_method=_normal_init(self.init_std),
+                bias=False, gather_output=False, tp_group=self.groups.tp))
+        else:
+            mod = self._te_linear(in_features, out_features, "column")
+        assert mod.weight.shape == (out_local, in_features)
+        set_role(mod.weight, ParamRole(kind, head_group=head_group, head_dim=head_dim, tp_partition_dim=0))
+        return mod
+
+    def row(self, in_features: int, out_features: int, *, what: str, kind: Kind = Kind.MATRIX) -> nn.Module:
+        """y = all_reduce(x_local W_localᵀ), W sharded on its input columns."""
+        in_local = self.local(in_features, what)
+        if self.backend == "torch":
+            mod = self.replicated(in_features, out_features, kind)
+        elif self.backend == "megatron":
+            from megatron.core.tensor_parallel import RowParallelLinear
+
+            mod = _ColumnParallel(RowParallelLinear(
+                in_features, out_features, config=self._mcore_config, init_method=_normal_init(self.init_std),
+                bias=False, input_is_parallel=True, skip_bias_add=True, tp_group=self.groups.tp))
+        else:
+            mod = self._te_linear(in_features, out_features, "row")
+        assert mod.weight.shape == (out_features, in_local)
+        set_role(mod.weight, ParamRole(kind, tp_partition_dim=1))
+        return mod
+
+    def _te_linear(self, in_features: int, out_features: int, mode: str) -> nn.Module:
+        import transformer_engine.pytorch as te
+
+        return te.Linear(in_features, out_features, bias=False, tp_group=self.groups.tp, tp_size=self.size,
+                         parallel_mode=mode, init_method=_normal_init(self.init_std),
+                         params_dtype=torch.float32, device="cuda")
+
+    def embedding(self, vocab: int, dim: int) -> nn.Module:
+        """Token embedding, vocabulary sharded over TP."""
+        self.local(vocab, "model.vocab_size")
+        if self.backend == "torch":
+            mod = nn.Embedding(vocab, dim)
+            _normal_init(self.init_std)(mod.weight.data)
+        else:
+            from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+            mod = VocabParallelEmbedding(vocab, dim, init_method=_normal_init(self.init_std),
+                                         config=self._mcore_config, tp_group=self.groups.tp)
+        set_role(mod.weight, ParamRole(Kind.EMBEDDING, tp_partition_dim=0))
+        return mod
+
+    def cross_entropy(self, logits_local: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss from vocabulary-sharded logits [..., V/tp] (fp32)."""
+        if self.backend == "torch":
+            return F.cross_entropy(logits_local.float().flatten(0, -2), labels.flatten(), reduction="none"
+                                   ).view(labels.shape)
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        # Megatron-Core 0.16 reads the global TP group here; it is the same group as self.groups.tp.
+        return vocab_parallel_cross_entropy(logits_local.float(), labels)

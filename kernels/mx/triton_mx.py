@@ -1,0 +1,194 @@
+"""Triton kernels for MX quantize / dequantize / fake-quantize.
+
+The tensor is viewed as [n_blocks, 32] (blocks run along the contiguous last
+dimension), and each program handles ``BLOCK_B`` blocks. All decisions that
+must be exact are made on the fp32 bit patterns with integer ops; the only
+float arithmetic is
+
+* ``y = x * 2**-k`` (exact: the multiplier is a normal power of two, and a
+  product that underflows is far below half the element format's smallest
+  step, so it rounds to zero either way);
+* the round-to-nearest-even step ``|y| + C`` with ``C = 2**(e + 23 - M)``: the
+  fp32 adder rounds ``|y|`` to a multiple of ``2**(e - M)``, ties to even, and
+  ``bits(|y| + C) - bits(C)`` is then the rounded integer mantissa;
+* ``value * 2**k`` when decoding (exact: at most 4 significant bits, and the
+  result stays >= 2**-149).
+
+The rules are the same as the float64 reference (see ``formats.py``) and tests
+check the two bit for bit. On CPU the kernels run through Triton's interpreter
+(no ``TRITON_INTERPRET`` needed: the CPU path wraps them explicitly).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import BLOCK, ElemFormat
+
+
+def _mx_quantize_kernel(
+    x_ptr, out_ptr, scale_ptr, n_blocks,
+    MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+    MAX_CODE: tl.constexpr, MAX_MANT: tl.constexpr, NAN_CODE: tl.constexpr,
+    SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, RCEIL: tl.constexpr,
+    FAKE: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < n_blocks
+    cols = tl.arange(0, 32)
+    offs = rows[:, None] * 32 + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
+    b = x.to(tl.int32, bitcast=True)
+    ab = b & 0x7FFFFFFF
+    neg = b < 0
+
+    # ---- per-block shared exponent k (integer ops on amax's bits) ----
+    amax_b = tl.max(ab, axis=1)  # non-negative floats order like their bit patterns
+    nonfinite = amax_b >= 0x7F800000  # any Inf or NaN in the block
+    ea = amax_b >> 23
+    if RCEIL:
+        # smallest k with amax <= max_elem * 2**k; exact mantissa comparison
+        k = ea - 127 - EMAX + ((amax_b & 0x7FFFFF) > MAX_MANT).to(tl.int32)
+    else:
+        k = ea - 127 - EMAX
+    k = tl.where(ea == 0, -127, k)  # zero or fp32-subnormal amax
+    k = tl.minimum(tl.maximum(k, -127), 127)
+    k = tl.where(nonfinite, 0, k)
+
+    # ---- y = x * 2**-k ; -k in [-127, 126] so the multiplier is a normal float ----
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    ay = tl.abs(x) * inv[:, None]
+
+    # ---- RNE to the element grid ----
+    ay_b = ay.to(tl.int32, bitcast=True)
+    ey_b = tl.maximum(ay_b >> 23, EMIN + 127)  # biased binade; subnormals share emin
+    c_b = (ey_b + (23 - MBITS)) << 23
+    s_b = (ay + c_b.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    qi = s_b - c_b  # rounded mantissa count in units of 2**(e - M)
+    code = ((ey_b - (EMIN + 127)) << MBITS) + qi
+    code = tl.minimum(code, MAX_CODE)  # saturate
+    code = tl.where(nonfinite[:, None], NAN_CODE, code)
+
+    if FAKE:
+        # decode the magnitude code back to fp32 and multiply by 2**k
+        eb = code >> MBITS
+        mant = code & ((1 << MBITS) - 1)
+        mint = tl.where(eb > 0, mant + (1 << MBITS), mant)
+        ek = tl.maximum(eb, 1) + (EMIN - 1 - MBITS) + k[:, None]
+        p2 = tl.where(ek >= -126, (ek + 127) << 23, 1 << tl.minimum(tl.maximum(ek + 149, 0), 30))
+        val = mint.to(tl.float32) * p2.to(tl.float32, bitcast=True)
+        val = tl.where(neg, -val, val)
+        val = tl.where(nonfinite[:, None], float("nan"), val)
+        tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    else:
+        code = code | (neg.to(tl.int32) << SIGN_SHIFT)
+        if PACK:
+            pairs = tl.reshape(code, (BLOCK_B, 16, 2))
+            lo, hi = tl.split(pairs)
+            byte = (lo | (hi << 4)).to(tl.uint8)
+            poffs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+            tl.store(out_ptr + poffs, byte, mask=rmask[:, None])
+        else:
+            tl.store(out_ptr + offs, code.to(tl.uint8), mask=rmask[:, None])
+        sbyte = tl.where(nonfinite, 255, k + 127).to(tl.uint8)
+        tl.store(scale_ptr + rows, sbyte, mask=rmask)
+
+
+def _mx_dequantize_kernel(
+    data_ptr, scale_ptr, out_ptr, n_blocks,
+    MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr, INF_CODE: tl.constexpr,
+    SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < n_blocks
+    cols = tl.arange(0, 32)
+    offs = rows[:, None] * 32 + cols[None, :]
+    if PACK:
+        poffs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+        byte = tl.load(data_ptr + poffs, mask=rmask[:, None], other=0).to(tl.int32)
+        code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_B, 32))
+    else:
+        code = tl.load(data_ptr + offs, mask=rmask[:, None], other=0).to(tl.int32)
+    s = tl.load(scale_ptr + rows, mask=rmask, other=127).to(tl.int32)
+    k = s - 127
+
+    neg = ((code >> SIGN_SHIFT) & 1) != 0
+    mag = code & ((1 << SIGN_SHIFT) - 1)
+    eb = mag >> MBITS
+    mant = mag & ((1 << MBITS) - 1)
+    mint = tl.where(eb > 0, mant + (1 << MBITS), mant)
+    ek = tl.maximum(eb, 1) + (EMIN - 1 - MBITS) + k[:, None]
+    ek = tl.minimum(ek, 127)  # only reached by the NaN scale, overwritten below
+    p2 = tl.where(ek >= -126, (ek + 127) << 23, 1 << tl.minimum(tl.maximum(ek + 149, 0), 30))
+    val = mint.to(tl.float32) * p2.to(tl.float32, bitcast=True)
+    val = tl.where(mag == INF_CODE, float("inf"), val)
+    val = tl.where((mag > MAX_CODE) & (mag != INF_CODE), float("nan"), val)
+    val = tl.where(neg, -val, val)
+    val = tl.where((s == 255)[:, None], float("nan"), val)
+    tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, interpret: bool):
+    fn = {"quantize": _mx_quantize_kernel, "dequantize": _mx_dequantize_kernel}[name]
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
+
+
+def _max_mant(fmt: ElemFormat) -> int:
+    """fp32 mantissa field of max_elem (for the exact RCEIL comparison)."""
+    return int(torch.tensor(fmt.max_value, dtype=torch.float32).view(torch.int32)) & 0x7FFFFF
+
+
+def _launch_cfg(x: torch.Tensor):
+    interpret = not x.is_cuda
+    # big programs keep the interpreter fast; 64 blocks = 2048 elements on GPU
+    return interpret, (256 if interpret else 64), 4
+
+
+def quantize(x: torch.Tensor, fmt: ElemFormat, rule: str, fake: bool = False):
+    """x: contiguous [..., K] float32/bfloat16 with K % 32 == 0 (checked by the caller)."""
+    n_blocks = x.numel() // BLOCK
+    if fake:
+        out = torch.empty_like(x)
+        scale = out  # unused
+    else:
+        k = x.shape[-1]
+        out = torch.empty(*x.shape[:-1], k // 2 if fmt.packed else k, dtype=torch.uint8,
+                          device=x.device)
+        scale = torch.empty(*x.shape[:-1], k // BLOCK, dtype=torch.uint8, device=x.device)
+    if n_blocks:
+        interpret, bb, warps = _launch_cfg(x)
+        kern = _kernel("quantize", interpret)
+        grid = (triton.cdiv(n_blocks, bb),)
+        kern[grid](x, out, scale, n_blocks,
+                   MBITS=fmt.mbits, EMIN=fmt.emin, EMAX=fmt.emax, MAX_CODE=fmt.max_code,
+                   MAX_MANT=_max_mant(fmt), NAN_CODE=fmt.nan_code, SIGN_SHIFT=fmt.bits - 1,
+                   PACK=fmt.packed, RCEIL=(rule == "rceil"), FAKE=fake, BLOCK_B=bb,
+                   **({} if interpret else {"num_warps": warps}))
+    return out if fake else (out, scale)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, k: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """codes: contiguous uint8 (packed for FP4); scale: contiguous uint8 [..., K/32]."""
+    out = torch.empty(*scale.shape[:-1], k, dtype=dtype, device=codes.device)
+    n_blocks = scale.numel()
+    if n_blocks:
+        interpret, bb, warps = _launch_cfg(codes)
+        kern = _kernel("dequantize", interpret)
+        inf_code = fmt.max_code + 1 if fmt.has_inf else -1
+        grid = (triton.cdiv(n_blocks, bb),)
+        kern[grid](codes, scale, out, n_blocks,
+                   MBITS=fmt.mbits, EMIN=fmt.emin, MAX_CODE=fmt.max_code, INF_CODE=inf_code,
+                   SIGN_SHIFT=fmt.bits - 1, PACK=fmt.packed, BLOCK_B=bb,
+                   **({} if interpret else {"num_warps": warps}))
+    return out

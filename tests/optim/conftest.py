@@ -1,0 +1,7 @@
+import os
+import sys
+
+# Let the test modules import the stand-ins and helpers beside them, also in spawned ranks.
+_here = os.path.dirname(os.path.abspath(__file__))
+if _here not in sys.path:
+    sys.path.insert(0, _here)
