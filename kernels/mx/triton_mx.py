@@ -16,7 +16,7 @@ float arithmetic is
 
 The rules are the same as the float64 reference (see ``formats.py``) and tests
 check the two bit for bit. On CPU the kernels run through Triton's interpreter
-(no ``TRITON_INTERPRET`` needed: the CPU path wraps them explicitly).
+(``TRITON_INTERPRET=1`` must be set before triton is imported).
 """
 
 from __future__ import annotations
@@ -134,13 +134,28 @@ def _mx_dequantize_kernel(
     tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+def interpreter_active() -> bool:
+    """True when Triton was imported with TRITON_INTERPRET=1 (its standard library is then
+    built for the interpreter; it cannot be switched on after import)."""
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # older triton
+        import os
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, interpret: bool):
+def _kernel(name: str):
     fn = {"quantize": _mx_quantize_kernel, "dequantize": _mx_dequantize_kernel}[name]
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-        return InterpretedFunction(fn)
-    return triton.jit(fn)
+    return triton.jit(fn)  # an InterpretedFunction when the interpreter is active
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if not t.is_cuda and not interpreter_active():
+        raise RuntimeError(
+            "the Triton MX kernels got a CPU tensor, but Triton's interpreter is off: set "
+            "TRITON_INTERPRET=1 in the environment before anything imports triton, or use "
+            "backend='reference'")
 
 
 def _max_mant(fmt: ElemFormat) -> int:
@@ -149,6 +164,7 @@ def _max_mant(fmt: ElemFormat) -> int:
 
 
 def _launch_cfg(x: torch.Tensor):
+    _check_device(x)
     interpret = not x.is_cuda
     # big programs keep the interpreter fast; 64 blocks = 2048 elements on GPU
     return interpret, (256 if interpret else 64), 4
@@ -167,7 +183,7 @@ def quantize(x: torch.Tensor, fmt: ElemFormat, rule: str, fake: bool = False):
         scale = torch.empty(*x.shape[:-1], k // BLOCK, dtype=torch.uint8, device=x.device)
     if n_blocks:
         interpret, bb, warps = _launch_cfg(x)
-        kern = _kernel("quantize", interpret)
+        kern = _kernel("quantize")
         grid = (triton.cdiv(n_blocks, bb),)
         kern[grid](x, out, scale, n_blocks,
                    MBITS=fmt.mbits, EMIN=fmt.emin, EMAX=fmt.emax, MAX_CODE=fmt.max_code,
@@ -184,7 +200,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, k: int
     n_blocks = scale.numel()
     if n_blocks:
         interpret, bb, warps = _launch_cfg(codes)
-        kern = _kernel("dequantize", interpret)
+        kern = _kernel("dequantize")
         inf_code = fmt.max_code + 1 if fmt.has_inf else -1
         grid = (triton.cdiv(n_blocks, bb),)
         kern[grid](codes, scale, out, n_blocks,
