@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from k3train.optim.newton_schulz import default_ns_dtype, muon_update_scale, newton_schulz
 from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params
-from k3train.model.roles import get_role, require_role
+from k3train.model.roles import require_role
 
 __all__ = ["K3Muon", "build_muon"]
 

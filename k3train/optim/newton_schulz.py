@@ -66,7 +66,8 @@ def newton_schulz(
     a, b, c = coeffs
 
     # X = G / (||G||_F + eps), written straight into the compute dtype (one pass).
-    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    norm_dtype = torch.promote_types(G.dtype, torch.float32)
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
     X = torch.empty(G.shape, dtype=dtype, device=G.device)
     torch.div(G, norm.add_(eps), out=X)
 

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from k3train.optim.newton_schulz import NS_COEFFS, muon_update_scale, newton_schulz, newton_schulz_reference
+
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (48, 48), (5, 40, 96), (7, 96, 40)])
+def test_singular_values_in_band(shape):
+    torch.manual_seed(torch.seed() % 2**31)
+    G = torch.randn(shape)
+    if shape[-1] == shape[-2]:
+        # a square Gaussian has singular values near 0 that 5 steps cannot lift; use a
+        # well-conditioned square input (condition number <= 4)
+        U, _, Vh = torch.linalg.svd(G)
+        G = U @ torch.diag_embed(torch.rand(G.shape[:-1]) * 3 + 1) @ Vh
+    X = newton_schulz(G)
+    assert X.shape == G.shape and X.dtype == torch.float32
+    s = torch.linalg.svdvals(X)
+    # the quintic with (3.4445, -4.775, 2.0315) oscillates in about [0.68, 1.14]
+    assert s.min() > 0.6 and s.max() < 1.25, (s.min(), s.max())
+
+
+def test_matches_float64_reference_and_scale():
+    G = torch.randn(3, 24, 80)
+    X = newton_schulz(G, scale=2.5)
+    for i in range(3):
+        ref = newton_schulz_reference(G[i]) * 2.5
+        assert ((X[i].double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_batched_equals_one_at_a_time():
+    G = torch.randn(9, 16, 40) * torch.rand(9, 1, 1) * 10
+    X = newton_schulz(G)
+    for i in range(9):
+        torch.testing.assert_close(X[i], newton_schulz(G[i]), rtol=1e-5, atol=1e-6)
+
+
+def test_noncontiguous_and_zero_inputs():
+    G = torch.randn(4, 40, 16).mT  # wide view of a tall tensor
+    torch.testing.assert_close(newton_schulz(G), newton_schulz(G.contiguous()))
+    Z = newton_schulz(torch.zeros(2, 8, 8))
+    assert torch.equal(Z, torch.zeros(2, 8, 8))
+
+
+def test_bf16_compute_dtype_close():
+    G = torch.randn(4, 32, 64)
+    X = newton_schulz(G, dtype=torch.bfloat16)
+    assert X.dtype == torch.bfloat16
+    ref = newton_schulz(G)
+    # Only the final iterate is compared; bf16 GEMMs carry ~1e-2 relative error.
+    assert ((X.float() - ref).norm() / ref.norm()) < 3e-2
+
+
+def test_constants():
+    assert NS_COEFFS == (3.4445, -4.7750, 2.0315)
+    assert muon_update_scale(128, 1024) == pytest.approx(0.2 * 32)
+    with pytest.raises(ValueError):
+        newton_schulz(torch.randn(2, 2, 2, 2))
