@@ -3,8 +3,9 @@
 It needs no download, so a fresh machine can train at once. The subset is
 deterministic for a given Python installation: every ``.py`` file under
 ``sysconfig.get_paths()['stdlib']`` outside test suites, demos and site-packages,
-at most ``MAX_FILE_BYTES`` each, in sorted path order, until ``MAX_BYTES`` of
-source is taken. Each file is one document. It is tokenized with a byte-level BPE
+at most ``MAX_FILE_BYTES`` each, sorted by a hash of their relative path (a fixed
+pseudo-random order that spreads the subset over the library), until ``MAX_BYTES``
+of source is taken. Each file is one document. It is tokenized with a byte-level BPE
 trained on the same files.
 
 ``ensure_default_dataset`` builds it once into ``<cache_dir>/default_corpus/<name>``
@@ -35,7 +36,7 @@ MAX_BYTES = 4 * 2**20
 MAX_FILE_BYTES = 256 * 2**10
 EXCLUDED_DIRS = frozenset({
     "site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "turtledemo",
-    "__pycache__", "lib2to3", "ensurepip", "pydoc_data", "config-3",
+    "__pycache__", "lib2to3", "ensurepip", "pydoc_data", "encodings",
 })
 PREFIX_NAME = "stdlib"
 
@@ -55,7 +56,9 @@ def stdlib_files(max_bytes: int = MAX_BYTES, root: Optional[str] = None) -> list
         except OSError:
             continue
         if 0 < size <= MAX_FILE_BYTES and p.is_file():
-            candidates.append((rel.as_posix(), p, size))
+            key = hashlib.sha256(rel.as_posix().encode()).hexdigest()
+            candidates.append((key, p, size))
+    # A fixed pseudo-random order (by path hash) spreads the subset over the whole library.
     candidates.sort(key=lambda c: c[0])
     out, total = [], 0
     for _, p, size in candidates:

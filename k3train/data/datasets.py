@@ -1,0 +1,200 @@
+"""Train/validation datasets through Megatron-Core's GPTDataset and blended builder.
+
+Samples are ``seq_len + 1`` tokens cut from the concatenation of shuffled
+documents (each ending with EOD), so one row can hold several documents. Per
+sample, ``position_ids`` restart at 0 on the token after every EOD
+(``reset_position_ids=True``) and at the start of the row; the model derives its
+document boundaries from that. ``reset_attention_mask=False`` and
+``create_attention_mask=False``: no dense [s, s] mask is built, the model masks
+per document itself. ``eod_mask_loss=True``: the position whose *input* is EOD
+is not trained, because its label is the first token of an unrelated document;
+predicting EOD at the end of a document is still trained.
+
+The split (``DataConfig.split``, e.g. "98,2,0") is by whole documents, so train
+and validation never share a document. Several ``DataConfig.paths`` are blended
+with ``DataConfig.weights`` (or in proportion to their sizes when no weights).
+
+Megatron-Core 0.16.1 notes (CPU):
+  * ``BlendedDataset`` calls ``torch.distributed.get_rank()`` on a cache miss even
+    without a process group, so the blend-level indices are not cached on disk
+    (they are cheap); the per-dataset GPTDataset indices are cached under
+    ``<cache_dir>/index_cache/<fingerprint of the .bin/.idx>``, so a rebuilt dataset
+    never reuses stale indices.
+  * With a process group, the builder builds on global rank 0, barriers, then the
+    other ranks load from that cache; every rank must call ``build_datasets``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from k3train.data.default_corpus import ensure_default_dataset, resolve_cache_dir
+from k3train.data.tokenizer import K3Tokenizer, default_tokenizer_path
+
+PREP_HINT = "python -m data_prep.tokenize_corpus --input <corpus> --output-prefix {prefix}"
+
+
+@dataclass
+class ResolvedData:
+    paths: list[str]
+    weights: Optional[list[float]]
+    tokenizer_path: str
+
+
+def resolve_data(cfg, vocab_size: int) -> ResolvedData:
+    """Turn a ``DataConfig`` into dataset prefixes and a tokenizer path.
+
+    With ``cfg.paths`` empty, builds (once) the embedded default corpus with a
+    byte-level BPE of ``vocab_size`` (pass ``min(model.vocab_size, 512)``). The
+    tokenizer is ``cfg.tokenizer``, else the one written next to the first dataset.
+    Call it on every rank; concurrent calls on one node are safe.
+    """
+    paths = [os.path.expanduser(str(p)) for p in (cfg.paths or [])]
+    weights = [float(w) for w in (cfg.weights or [])] or None
+    if not paths:
+        if weights:
+            raise ValueError("data.weights is set but data.paths is empty; give one weight per path")
+        prefix, tok = ensure_default_dataset(cfg.cache_dir, vocab_size)
+        return ResolvedData([prefix], None, os.path.expanduser(str(cfg.tokenizer)) if cfg.tokenizer else tok)
+    check_dataset_files(paths)
+    tok = os.path.expanduser(str(cfg.tokenizer)) if cfg.tokenizer else default_tokenizer_path(paths[0])
+    if not cfg.tokenizer and not os.path.isfile(tok):
+        raise FileNotFoundError(f"no tokenizer for dataset {paths[0]}: {tok} is missing; set data.tokenizer "
+                                f"to the tokenizer.json the data was made with")
+    return ResolvedData(paths, weights, tok)
+
+
+def check_dataset_files(paths: Sequence[str]) -> None:
+    for prefix in paths:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise FileNotFoundError(
+                    f"dataset file missing: {prefix}{ext} (data.paths entry {prefix!r}); build it with: "
+                    + PREP_HINT.format(prefix=prefix)
+                )
+
+
+def _check_meta(prefix: str, tokenizer: K3Tokenizer) -> None:
+    """Compare the dataset's metadata (if data_prep wrote one) with the tokenizer."""
+    path = f"{prefix}.meta.json"
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return
+    if "eod" in meta and int(meta["eod"]) != tokenizer.eod:
+        raise ValueError(f"dataset {prefix} was tokenized with EOD id {meta['eod']}, but the tokenizer "
+                         f"{tokenizer.path} has EOD id {tokenizer.eod}; use the tokenizer the data was made with")
+    if int(meta.get("max_token_id", -1)) >= tokenizer.vocab_size:
+        raise ValueError(f"dataset {prefix} holds token id {meta['max_token_id']}, beyond the tokenizer "
+                         f"{tokenizer.path} ({tokenizer.vocab_size} ids); use the tokenizer the data was made with")
+    fp = meta.get("tokenizer_fingerprint")
+    if fp and fp != tokenizer.fingerprint:
+        warnings.warn(f"dataset {prefix} was tokenized with a different tokenizer.json than {tokenizer.path}",
+                      stacklevel=3)
+
+
+def _split_doc_counts(num_docs: int, split_matrix) -> list[int]:
+    out = []
+    for bookends in split_matrix:
+        if bookends is None:
+            out.append(0)
+        else:
+            out.append(int(round(bookends[1] * num_docs)) - int(round(bookends[0] * num_docs)))
+    return out
+
+
+def build_datasets(cfg, seq_len: int, num_train_samples: int, num_valid_samples: int,
+                   tokenizer: K3Tokenizer, *, paths: Optional[Sequence[str]] = None,
+                   weights: Optional[Sequence[float]] = None,
+                   is_built_on_rank: Optional[Callable[[], bool]] = None):
+    """Build ``(train_ds, valid_ds)`` from a ``DataConfig``.
+
+    ``paths``/``weights`` override ``cfg.paths``/``cfg.weights``. With neither, the
+    default corpus is used (built if needed, with ``tokenizer.vocab_size``). Each dataset item is a
+    dict of 1-D tensors ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of
+    length ``seq_len`` (blended datasets add ``dataset_id``). ``valid_ds`` is None when
+    the split gives validation no share or ``num_valid_samples`` is 0. Must be called
+    on every rank when a process group exists.
+    """
+    import numpy  # noqa: F401  (megatron needs it; keep the import error readable)
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from k3train.data.megatron_gpt import K3GPTDataset
+
+    paths = [os.path.expanduser(str(p)) for p in (paths if paths is not None else cfg.paths)]
+    if weights is None:
+        weights = [float(w) for w in (cfg.weights or [])] or None
+    else:
+        weights = [float(w) for w in weights] or None
+    if not paths:
+        if weights:
+            raise ValueError("data.weights is set but data.paths is empty; give one weight per path")
+        # The default corpus, built with this tokenizer's vocab size (idempotent).
+        paths = [ensure_default_dataset(cfg.cache_dir, tokenizer.vocab_size)[0]]
+    if weights is not None:
+        if len(weights) != len(paths):
+            raise ValueError(f"data.weights has {len(weights)} entries but data.paths has {len(paths)}; "
+                             f"give one weight per path")
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"data.weights must be non-negative with a positive sum, got {weights}")
+    if seq_len < 1:
+        raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
+    if num_train_samples < 1:
+        raise ValueError(f"num_train_samples must be >= 1, got {num_train_samples}")
+    check_dataset_files(paths)
+    for p in paths:
+        _check_meta(p, tokenizer)
+
+    cache_root = os.path.join(resolve_cache_dir(cfg.cache_dir), "index_cache")
+    config = GPTDatasetConfig(
+        random_seed=int(cfg.seed),
+        sequence_length=int(seq_len),
+        blend=(paths, weights),
+        split=str(cfg.split),
+        path_to_cache=None,  # see the module docstring; K3GPTDataset sets its own
+        tokenizer=tokenizer,
+        reset_position_ids=True,
+        reset_attention_mask=False,
+        eod_mask_loss=True,
+        create_attention_mask=False,
+        mmap_bin_files=True,
+        num_dataset_builder_threads=1,
+    )
+
+    want = [num_train_samples, num_valid_samples, 0]
+    for p in paths:
+        n_docs = IndexedDataset(p).sequence_lengths.shape[0]
+        for name, n, share, req in zip(("train", "valid"), _split_doc_counts(n_docs, config.split_matrix),
+                                       config.split_matrix, want):
+            if share is not None and req > 0 and n == 0:
+                raise ValueError(f"the {name} split of {p} is empty: data.split={cfg.split} over {n_docs} "
+                                 f"documents; use more documents or a larger {name} share")
+    if config.split_matrix[0] is None:
+        raise ValueError(f"data.split={cfg.split} gives training no share")
+
+    config.k3_index_cache_root = cache_root
+    sizes = [int(num_train_samples), max(int(num_valid_samples), 0), 0]
+    rank_fn = is_built_on_rank or (lambda: True)
+    mlog = logging.getLogger("megatron.core.datasets")
+    level = mlog.level
+    if level == logging.NOTSET:
+        mlog.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*pad token id.*")
+            train_ds, valid_ds, _ = BlendedMegatronDatasetBuilder(K3GPTDataset, sizes, rank_fn, config).build()
+    finally:
+        mlog.setLevel(level)
+    if num_valid_samples <= 0:
+        valid_ds = None
+    return train_ds, valid_ds
