@@ -30,20 +30,38 @@ import triton.language as tl
 from .formats import BLOCK, ElemFormat
 
 
+@triton.jit
+def _round_out(val, OUT_BF16: tl.constexpr):
+    """fp32 -> output dtype. bf16 is rounded here with integer ops (RNE, subnormals kept),
+    so the interpreter and the GPU agree with torch's conversion bit for bit."""
+    if OUT_BF16:
+        vb = val.to(tl.int32, bitcast=True)
+        r = ((vb + (0x7FFF + ((vb >> 16) & 1))) >> 16) & 0xFFFF
+        r = tl.where(val != val, 0x7FC0, r)
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return val
+
+
 def _mx_quantize_kernel(
     x_ptr, out_ptr, scale_ptr, n_blocks,
     MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
     MAX_CODE: tl.constexpr, MAX_MANT: tl.constexpr, NAN_CODE: tl.constexpr,
     SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, RCEIL: tl.constexpr,
-    FAKE: tl.constexpr, BLOCK_B: tl.constexpr,
+    FAKE: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < n_blocks
     cols = tl.arange(0, 32)
     offs = rows[:, None] * 32 + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
-    b = x.to(tl.int32, bitcast=True)
+    xin = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
+    if IN_BF16:
+        # widen with integer ops: exact for bf16 subnormals too (the interpreter flushes them)
+        b = xin.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    else:
+        b = xin.to(tl.int32, bitcast=True)
+    x = b.to(tl.float32, bitcast=True)
     ab = b & 0x7FFFFFFF
     neg = b < 0
 
@@ -84,7 +102,7 @@ def _mx_quantize_kernel(
         val = mint.to(tl.float32) * p2.to(tl.float32, bitcast=True)
         val = tl.where(neg, -val, val)
         val = tl.where(nonfinite[:, None], float("nan"), val)
-        tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+        tl.store(out_ptr + offs, _round_out(val, OUT_BF16), mask=rmask[:, None])
     else:
         code = code | (neg.to(tl.int32) << SIGN_SHIFT)
         if PACK:
@@ -102,7 +120,7 @@ def _mx_quantize_kernel(
 def _mx_dequantize_kernel(
     data_ptr, scale_ptr, out_ptr, n_blocks,
     MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr, INF_CODE: tl.constexpr,
-    SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, BLOCK_B: tl.constexpr,
+    SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -131,7 +149,7 @@ def _mx_dequantize_kernel(
     val = tl.where((mag > MAX_CODE) & (mag != INF_CODE), float("nan"), val)
     val = tl.where(neg, -val, val)
     val = tl.where((s == 255)[:, None], float("nan"), val)
-    tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(out_ptr + offs, _round_out(val, OUT_BF16), mask=rmask[:, None])
 
 
 def interpreter_active() -> bool:
@@ -188,7 +206,9 @@ def quantize(x: torch.Tensor, fmt: ElemFormat, rule: str, fake: bool = False):
         kern[grid](x, out, scale, n_blocks,
                    MBITS=fmt.mbits, EMIN=fmt.emin, EMAX=fmt.emax, MAX_CODE=fmt.max_code,
                    MAX_MANT=_max_mant(fmt), NAN_CODE=fmt.nan_code, SIGN_SHIFT=fmt.bits - 1,
-                   PACK=fmt.packed, RCEIL=(rule == "rceil"), FAKE=fake, BLOCK_B=bb,
+                   PACK=fmt.packed, RCEIL=(rule == "rceil"), FAKE=fake,
+                   IN_BF16=(x.dtype == torch.bfloat16),
+                   OUT_BF16=(fake and x.dtype == torch.bfloat16), BLOCK_B=bb,
                    **({} if interpret else {"num_warps": warps}))
     return out if fake else (out, scale)
 
@@ -205,6 +225,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, k: int
         grid = (triton.cdiv(n_blocks, bb),)
         kern[grid](codes, scale, out, n_blocks,
                    MBITS=fmt.mbits, EMIN=fmt.emin, MAX_CODE=fmt.max_code, INF_CODE=inf_code,
-                   SIGN_SHIFT=fmt.bits - 1, PACK=fmt.packed, BLOCK_B=bb,
+                   SIGN_SHIFT=fmt.bits - 1, PACK=fmt.packed, OUT_BF16=(dtype == torch.bfloat16),
+                   BLOCK_B=bb,
                    **({} if interpret else {"num_warps": warps}))
     return out
