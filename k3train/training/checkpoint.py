@@ -1,0 +1,202 @@
+"""Checkpoints through Megatron-Core ``dist_checkpointing``.
+
+What is saved:
+- model parameters and buffers (QB router biases included) as ``ShardedTensor``s with their
+  global shapes, so a checkpoint written at one TP size loads at another;
+- optimizer state tensors shaped like their parameter, sharded the same way; the rest of the
+  optimizer state (step counters, hyper-parameters) as common state;
+- scheduler, data position, step and the model config as common state;
+- each rank's RNG states as a per-rank ``ShardedObject``.
+
+Layout: ``<run>/checkpoints/step_00000010/``; ``<run>/checkpoints/latest`` names the newest.
+Writes are atomic: a temporary directory is filled, renamed, and only then is ``latest``
+replaced, so a crash at any point leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from k3train.config.schema import ModelConfig
+from k3train.model.roles import get_role
+from k3train.parallel.checkpoint_io import save_strategy
+from k3train.parallel.state import ParallelGroups
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups):
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    dim = role.tp_partition_dim if role is not None else None
+    if dim is None or groups.tp_size == 1:
+        return ShardedTensor.from_rank_offsets(key, t, replica_id=(groups.tp_rank, groups.dp_rank))
+    stride = role.tp_partition_stride
+    if stride > 1:  # view [.., stride·n, ..] as [.., stride, n, ..]: each part sharded separately
+        shape = list(t.shape)
+        t = t.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:])
+        dim += 1
+    return ShardedTensor.from_rank_offsets(key, t, (dim, groups.tp_rank, groups.tp_size), replica_id=groups.dp_rank)
+
+
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n in model.state_dict()})
+    return tensors
+
+
+def _optimizer_split(optimizer: torch.optim.Optimizer, names: dict[int, str]):
+    """Param-shaped state tensors by (param name, key), and everything else as plain state."""
+    sd = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors, other = {}, {}
+    for idx, state in sd["state"].items():
+        p = params[idx]
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0:
+                tensors[(names[id(p)], k)] = v
+            else:
+                other.setdefault(idx, {})[k] = v
+    return sd, params, tensors, other
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _state_dict(model, optimizer, groups, extra: dict, template: bool) -> dict:
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    sd: dict = {f"model.{n}": _sharded(f"model.{n}", t.detach() if not template else torch.empty_like(t),
+                                       get_role(t), groups)
+                for n, t in _model_tensors(model).items()}
+    params_by_name = dict(model.named_parameters())
+    if optimizer is not None:
+        if template:
+            keys = extra["optimizer_tensor_keys"]
+            opt_tensors = {(n, k): torch.empty_like(params_by_name[n]) for n, k in keys}
+        else:
+            _, _, opt_tensors, _ = _optimizer_split(optimizer, names)
+        for (n, k), t in opt_tensors.items():
+            sd[f"optim.{n}.{k}"] = _sharded(f"optim.{n}.{k}", t, get_role(params_by_name[n]), groups)
+    sd["rng"] = ShardedObject("rng", None if template else _rng_state(), (groups.world_size,), (groups.rank,),
+                              replica_id=0)
+    sd.update(extra)
+    return sd
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler, data_state: dict, groups: ParallelGroups, model_cfg: ModelConfig) -> Path:
+    from megatron.core import dist_checkpointing
+
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / f"step_{step:08d}"
+    tmp = ckpt_root / f".tmp_step_{step:08d}"
+    if groups.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt_sd, params, opt_tensors, opt_other = _optimizer_split(optimizer, names)
+    extra = {
+        "step": step,
+        "model_config": dataclasses.asdict(model_cfg),
+        "scheduler": scheduler.state_dict(),
+        "data": data_state,
+        "optimizer_tensor_keys": sorted(opt_tensors),
+        "optimizer_param_names": [names[id(p)] for p in params],
+        "optimizer_other": {names[id(params[i])]: v for i, v in opt_other.items()},
+        "optimizer_param_groups": opt_sd["param_groups"],
+    }
+    dist_checkpointing.save(_state_dict(model, optimizer, groups, extra, template=False), str(tmp),
+                            sharded_strategy=save_strategy())
+    dist.barrier()
+    if groups.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = ckpt_root / f".{LATEST}.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, ckpt_root / LATEST)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / "checkpoints" / LATEST
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not path.is_dir():
+        raise CheckpointError(f"{pointer} names {path.name}, which does not exist; delete {pointer} or restore it")
+    return path
+
+
+def check_model_config(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
+    current = dataclasses.asdict(model_cfg)
+    diffs = {k: (saved.get(k), v) for k, v in current.items() if k != "name" and saved.get(k) != v}
+    if diffs:
+        detail = "; ".join(f"model.{k}: checkpoint={a} config={b}" for k, (a, b) in sorted(diffs.items()))
+        raise CheckpointError(f"checkpoint {path} was written for a different model config ({detail}); "
+                              f"resume with the same model config or use train.resume=none")
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                    groups: ParallelGroups, model_cfg: ModelConfig) -> dict:
+    """Restore everything in place; returns {"step", "data"}."""
+    from megatron.core import dist_checkpointing
+
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        raise CheckpointError(f"{path} is not a k3train checkpoint directory (no dist_checkpointing metadata)")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    check_model_config(common["model_config"], model_cfg, path)
+    template = _state_dict(model, optimizer, groups,
+                           {"optimizer_tensor_keys": [tuple(k) for k in common["optimizer_tensor_keys"]]},
+                           template=True)
+    template = {k: v for k, v in template.items() if k != "optimizer_tensor_keys"}
+    loaded = dist_checkpointing.load(template, str(path))
+
+    tensors = _model_tensors(model)
+    with torch.no_grad():
+        for n, t in tensors.items():
+            t.copy_(loaded[f"model.{n}"].view_as(t))
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    if order != common["optimizer_param_names"]:
+        raise CheckpointError(f"checkpoint {path} has a different optimizer parameter layout (optim.name or "
+                              f"per-head config changed?); resume with the same optim config or train.resume=none")
+    param_index = {n: i for i, n in enumerate(order)}
+    state: dict = {}
+    for n, k in common["optimizer_tensor_keys"]:
+        state.setdefault(param_index[n], {})[k] = loaded[f"optim.{n}.{k}"].view(tensors[n].shape)
+    for n, other in common["optimizer_other"].items():
+        state.setdefault(param_index[n], {}).update(other)
+    optimizer.load_state_dict({"state": state, "param_groups": common["optimizer_param_groups"]})
+    scheduler.load_state_dict(common["scheduler"])
+    _set_rng_state(loaded["rng"])
+    return {"step": common["step"], "data": common["data"]}

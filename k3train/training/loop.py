@@ -1,0 +1,199 @@
+"""The training loop: build everything from a validated ``K3Config`` and run it.
+
+One optimizer step:
+    for each of global_batch / (micro_batch · DP) micro-batches:
+        loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
+    average gradients over DP; ‖g‖ over TP; clip; optimizer.step(); scheduler.step()
+    Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP)
+    QK-clip (Muon recipe) rescales MLA heads whose max logit exceeded τ
+
+Runs the same on CPU (gloo, fp32) and GPU (NCCL, bf16 autocast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from k3train.config.schema import K3Config
+from k3train.model.k3 import K3Model
+from k3train.optim.builder import build_optimizer, build_scheduler
+from k3train.parallel.data_parallel import average_gradients, clip_gradients, global_grad_norm
+from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
+from k3train.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from k3train.training.flops import peak_flops, train_flops_per_token
+from k3train.training.metrics import MetricsLogger
+
+
+def _autocast(device: torch.device, dtype: str):
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+    if not use_bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+class Trainer:
+    def __init__(self, cfg: K3Config):
+        self.cfg = cfg
+        t = cfg.train
+        self.device = pick_device(t.device)
+        self.groups: ParallelGroups = init_parallel(cfg.parallel, self.device)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(t.seed)  # same on every rank: the full weights are drawn identically
+
+        self.model = K3Model(cfg.model, self.groups, cfg.precision.linear_backend).to(self.device)
+        if cfg.precision.expert_qat:
+            from k3train.precision.mx_qat import enable_expert_qat
+
+            enable_expert_qat(self.model)
+        if cfg.optim.qk_clip_tau:
+            for m in self.model.modules():
+                if hasattr(m, "track_max_logit"):
+                    m.track_max_logit = True
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.groups)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
+
+        self.n_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
+        self._build_data()
+        self.run_dir = Path(t.out_dir)
+        self.step = 0
+        self._maybe_resume()
+        self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_flops(self.device)
+        self.logger = MetricsLogger(cfg.logging, self.run_dir, self.groups.is_main, dataclasses.asdict(cfg), t.steps)
+
+    # --- setup -----------------------------------------------------------------------------
+    def _build_data(self) -> None:
+        from k3train.data.batches import BatchIterator
+        from k3train.data.datasets import build_datasets, resolve_data
+        from k3train.data.tokenizer import check_vocab, load_tokenizer
+
+        cfg, t = self.cfg, self.cfg.train
+        resolved = resolve_data(cfg.data, min(cfg.model.vocab_size, 512))
+        self.tokenizer = load_tokenizer(resolved.tokenizer_path)
+        check_vocab(cfg.model.vocab_size, self.tokenizer)
+        evals = (t.steps // t.eval_every + 1) if t.eval_every else 0
+        train_ds, valid_ds = build_datasets(
+            cfg.data, cfg.data.seq_len, num_train_samples=t.steps * t.global_batch_size,
+            num_valid_samples=max(1, evals * t.eval_iters * t.micro_batch_size * self.groups.dp_size),
+            tokenizer=self.tokenizer)
+        g = self.groups
+        self.train_iter = BatchIterator(train_ds, t.micro_batch_size, g.dp_rank, g.dp_size)
+        self.valid_ds = valid_ds
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.train.resume
+        if resume == "none":
+            return
+        path = latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.groups, self.cfg.model)
+        self.step = state["step"]
+        self.train_iter.load_state_dict(state["data"])
+        if self.groups.is_main:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    # --- one step --------------------------------------------------------------------------
+    def _forward(self, batch: dict) -> torch.Tensor:
+        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with _autocast(self.device, self.cfg.precision.dtype):
+            return self.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
+
+    def train_step(self) -> dict:
+        self.model.train()
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self.n_micro):
+            loss = self._forward(next(self.train_iter))
+            (loss / self.n_micro).backward()
+            loss_sum += loss.detach()
+        average_gradients(self.params, self.groups)
+        grad_norm = global_grad_norm(self.params, self.groups)
+        clip_gradients(self.params, self.cfg.optim.grad_clip, grad_norm)
+        skipped = not bool(torch.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step()
+        self.scheduler.step()
+        moe = self.model.moe_layers()
+        for layer in moe:
+            layer.balancer.update(layer.gate.e_score_correction_bias, self.groups.dp)
+        if self.cfg.optim.qk_clip_tau and not skipped:
+            from k3train.optim.qk_clip import apply_qk_clip
+
+            apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp)
+        if self.groups.dp_size > 1:
+            dist.all_reduce(loss_sum, group=self.groups.dp)
+            loss_sum /= self.groups.dp_size
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        loads = [layer.last_load for layer in moe]
+        imbalance = (sum(float(l.max() / l.mean().clamp(min=1e-9)) for l in loads) / len(loads)) if loads else None
+        achieved = tokens * self.flops_per_token / elapsed / max(1, self.groups.world_size)
+        return {
+            "kind": "train", "step": self.step + 1, "loss": float(loss_sum / self.n_micro),
+            "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+            "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
+            "expert_load_max_over_mean": imbalance, "skipped": skipped,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        from k3train.data.batches import BatchIterator
+
+        self.model.eval()
+        g, t = self.groups, self.cfg.train
+        it = BatchIterator(self.valid_ds, t.micro_batch_size, g.dp_rank, g.dp_size)
+        losses = torch.stack([self._forward(next(it)).float() for _ in range(t.eval_iters)]).mean()
+        if g.dp_size > 1:
+            dist.all_reduce(losses, group=g.dp)
+            losses /= g.dp_size
+        return float(losses)
+
+    # --- the run -----------------------------------------------------------------------------
+    def save(self) -> None:
+        save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
+                        self.train_iter.state_dict(), self.groups, self.cfg.model)
+
+    def fit(self) -> list[dict]:
+        t = self.cfg.train
+        history = []
+        try:
+            while self.step < t.steps:
+                record = self.train_step()
+                self.step += 1
+                if not math.isfinite(record["loss"]):
+                    raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; the last checkpoint "
+                                             f"is intact, lower optim.lr or inspect the data")
+                history.append(record)
+                if self.step % t.log_every == 0 or self.step == 1 or self.step == t.steps:
+                    self.logger.log(record)
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    val = {"kind": "eval", "step": self.step, "val_loss": self.evaluate()}
+                    history.append(val)
+                    self.logger.log(val)
+                if t.save_every and (self.step % t.save_every == 0 or self.step == t.steps):
+                    self.save()
+        finally:
+            self.logger.close()
+        return history

@@ -1,0 +1,78 @@
+"""Run outputs: ``metrics.jsonl``, a console progress line, and a W&B run.
+
+Only the main rank writes. W&B is imported only when enabled; it runs offline unless
+``WANDB_API_KEY`` is set (``logging.wandb_mode=auto``), so a fresh machine needs no account.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from k3train.config.schema import LoggingConfig
+
+
+class MetricsLogger:
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, enabled: bool, run_config: dict, total_steps: int):
+        self.cfg = cfg
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._file = None
+        self._wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if cfg.wandb:
+            mode = cfg.wandb_mode
+            if mode == "auto":
+                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode=mode, config=run_config,
+                                     resume="allow", id=_wandb_id(run_dir))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and v is not None},
+                            step=record["step"])
+        if self.cfg.console:
+            print(format_progress(record, self.total_steps), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """A stable run id per run directory, so a resumed job continues the same W&B run."""
+    path = run_dir / "wandb_run_id"
+    if not path.exists():
+        import uuid
+
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def format_progress(r: dict, total_steps: int) -> str:
+    if r.get("kind") == "eval":
+        return f"step {r['step']:>6}/{total_steps} | eval loss {r['val_loss']:.4f}"
+    parts = [f"step {r['step']:>6}/{total_steps}", f"loss {r['loss']:.4f}", f"gnorm {r['grad_norm']:.3f}",
+             f"lr {r['lr']:.2e}", f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_time_s'] * 1e3:.0f} ms/step"]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    parts.append(f"mem {r['peak_mem_gb']:.2f} GB")
+    if r.get("expert_load_max_over_mean") is not None:
+        parts.append(f"load max/mean {r['expert_load_max_over_mean']:.2f}")
+    if r.get("skipped"):
+        parts.append("SKIPPED (non-finite grads)")
+    return " | ".join(parts)
