@@ -14,30 +14,34 @@ Typical use (every rank)::
 Importing this package does not import Megatron-Core; ``build_datasets`` does.
 """
 
-from k3train.data.batches import BatchIterator
-from k3train.data.datasets import ResolvedData, build_datasets, check_dataset_files, resolve_data
-from k3train.data.default_corpus import ensure_default_dataset, resolve_cache_dir
-from k3train.data.tokenizer import (
-    EOD_TOKEN,
-    K3Tokenizer,
-    check_vocab,
-    default_tokenizer_path,
-    load_tokenizer,
-    train_byte_level_bpe,
-)
+import importlib
 
-__all__ = [
-    "BatchIterator",
-    "EOD_TOKEN",
-    "K3Tokenizer",
-    "ResolvedData",
-    "build_datasets",
-    "check_dataset_files",
-    "check_vocab",
-    "default_tokenizer_path",
-    "ensure_default_dataset",
-    "load_tokenizer",
-    "resolve_cache_dir",
-    "resolve_data",
-    "train_byte_level_bpe",
-]
+# Lazy exports: ``import k3train.data.tokenizer`` (the data_prep CLI) must not pull in torch.
+_EXPORTS = {
+    "BatchIterator": "batches",
+    "ResolvedData": "datasets",
+    "build_datasets": "datasets",
+    "check_dataset_files": "datasets",
+    "resolve_data": "datasets",
+    "ensure_default_dataset": "default_corpus",
+    "resolve_cache_dir": "default_corpus",
+    "EOD_TOKEN": "tokenizer",
+    "K3Tokenizer": "tokenizer",
+    "check_vocab": "tokenizer",
+    "default_tokenizer_path": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "train_byte_level_bpe": "tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -41,23 +41,27 @@ EXCLUDED_DIRS = frozenset({
 PREFIX_NAME = "stdlib"
 
 
-def stdlib_files(max_bytes: int = MAX_BYTES, root: Optional[str] = None) -> list[Path]:
+def stdlib_files(max_bytes: Optional[int] = None, root: Optional[str] = None) -> list[Path]:
     """The deterministic list of standard-library files that make up the corpus."""
+    max_bytes = MAX_BYTES if max_bytes is None else int(max_bytes)
     base = Path(root or sysconfig.get_paths()["stdlib"])
     if not base.is_dir():
         raise FileNotFoundError(f"Python standard library not found at {base}; set data.paths to a dataset")
     candidates = []
-    for p in base.rglob("*.py"):
-        rel = p.relative_to(base)
-        if any(part in EXCLUDED_DIRS or part.startswith(("config-", ".")) for part in rel.parts[:-1]):
-            continue
-        try:
-            size = p.stat().st_size
-        except OSError:
-            continue
-        if 0 < size <= MAX_FILE_BYTES and p.is_file():
-            key = hashlib.sha256(rel.as_posix().encode()).hexdigest()
-            candidates.append((key, p, size))
+    for dirpath, dirnames, filenames in os.walk(base):
+        # prune excluded folders instead of walking them (site-packages can be huge)
+        dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS and not d.startswith(("config-", "."))]
+        for name in filenames:
+            if not name.endswith(".py"):
+                continue
+            p = Path(dirpath) / name
+            try:
+                size = p.stat().st_size
+            except OSError:
+                continue
+            if 0 < size <= MAX_FILE_BYTES:
+                key = hashlib.sha256(p.relative_to(base).as_posix().encode()).hexdigest()
+                candidates.append((key, p, size))
     # A fixed pseudo-random order (by path hash) spreads the subset over the whole library.
     candidates.sort(key=lambda c: c[0])
     out, total = [], 0
@@ -78,9 +82,10 @@ def _fingerprint(files: list[Path], vocab_size: int, root: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def default_dataset_dir(cache_dir: str, vocab_size: int, max_bytes: int = MAX_BYTES) -> Path:
+def default_dataset_dir(cache_dir: str, vocab_size: int, max_bytes: Optional[int] = None,
+                        files: Optional[list[Path]] = None) -> Path:
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = stdlib_files(max_bytes)
+    files = stdlib_files(max_bytes) if files is None else files
     name = (f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-v{vocab_size}-"
             f"{_fingerprint(files, vocab_size, root)}")
     return Path(resolve_cache_dir(cache_dir)) / "default_corpus" / name
@@ -110,7 +115,7 @@ def _file_lock(path: Path):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def ensure_default_dataset(cache_dir: str, vocab_size: int, *, max_bytes: int = MAX_BYTES,
+def ensure_default_dataset(cache_dir: str, vocab_size: int, *, max_bytes: Optional[int] = None,
                            progress: bool = True) -> tuple[str, str]:
     """Build the default corpus once (idempotent, atomic, race-safe); return
     ``(prefix, tokenizer_path)``. ``vocab_size`` must be at most the model's vocab."""
@@ -119,7 +124,9 @@ def ensure_default_dataset(cache_dir: str, vocab_size: int, *, max_bytes: int = 
     if vocab_size < MIN_BYTE_BPE_VOCAB:
         raise ValueError(f"the default corpus needs vocab_size >= {MIN_BYTE_BPE_VOCAB} (byte-level BPE), "
                          f"got {vocab_size}; raise model.vocab_size or set data.paths")
-    final = default_dataset_dir(cache_dir, vocab_size, max_bytes)
+    max_bytes = MAX_BYTES if max_bytes is None else int(max_bytes)
+    files = stdlib_files(max_bytes)
+    final = default_dataset_dir(cache_dir, vocab_size, max_bytes, files)
     prefix = str(final / PREFIX_NAME)
     tok_path = f"{prefix}.tokenizer.json"
     if _complete(final):
@@ -135,7 +142,6 @@ def ensure_default_dataset(cache_dir: str, vocab_size: int, *, max_bytes: int = 
         try:
             print(f"[k3train.data] building the default corpus (Python stdlib, vocab {vocab_size}) "
                   f"into {final}", file=sys.stderr, flush=True)
-            files = stdlib_files(max_bytes)
             summary = tokenize_corpus([str(f) for f in files], str(tmp / PREFIX_NAME), vocab_size=vocab_size,
                                       fmt="text", progress=progress)
             if final.exists():  # an incomplete leftover from an older crash
