@@ -40,6 +40,18 @@ from triton.language.standard import _sum_combine
 CHUNK = 32
 L2_EPS = 1e-6
 
+# Launch configuration (benchmarks/kda.py sweeps these; defaults are the measured best).
+CONFIG = {
+    "prep_warps": 4,      # kda_prep_kernel
+    "seq_bv": 64,         # V tile of the sequential kernels (grid splits V)
+    "fwd_warps": 4,
+    "fwd_stages": 2,
+    "bwd_h_warps": 4,
+    "bwd_h_stages": 2,
+    "bwd_bv": 64,         # V tile looped over inside the parallel backward kernel
+    "bwd_warps": 8,
+}
+
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -52,7 +64,7 @@ def _interpret() -> bool:
 
 @triton.jit
 def _load_chunk_inputs(q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale,
-                       H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                       H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                        USE_L2: tl.constexpr):
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
@@ -86,7 +98,7 @@ def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
                     chunk_seq, chunk_bos, cu,
                     Wk, U, Qd, Ke, Mqk, Xinv, GL,
                     lower_bound, scale,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
                     DT: tl.constexpr):
     i_c = tl.program_id(0)
@@ -149,7 +161,7 @@ def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
 @triton.jit
 def kda_fwd_kernel(Wk, U, Qd, Ke, Mqk, GL, h0, o, h, ht,
                    chunk_off, chunk_bos, cu,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                   H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
                    STORE_FINAL: tl.constexpr, DT: tl.constexpr):
     i_n = tl.program_id(0)
@@ -197,7 +209,7 @@ def kda_fwd_kernel(Wk, U, Qd, Ke, Mqk, GL, h0, o, h, ht,
 @triton.jit
 def kda_bwd_h_kernel(Wk, Qd, Ke, Mqk, GL, dht, do, dh, dW, dh0,
                      chunk_off, chunk_bos, cu,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
                      STORE_DH0: tl.constexpr, DT: tl.constexpr):
     i_n = tl.program_id(0)
@@ -248,7 +260,7 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
                    Wk, U, Xinv, h, dh, dW, do,
                    dq, dk, dv, dg, dbeta, dA_part, ddt_part,
                    lower_bound, scale,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                   H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
                    DT: tl.constexpr):
     i_c = tl.program_id(0)
@@ -393,9 +405,8 @@ def _store_dtype(x: torch.Tensor):
     return torch.float32 if x.dtype in (torch.float32, torch.float64) else torch.bfloat16
 
 
-def _pick(V):
-    BV = min(64, max(16, triton.next_power_of_2(V)))
-    return BV
+def _pick(V, key):
+    return min(CONFIG[key], max(16, triton.next_power_of_2(V)))
 
 
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2,
@@ -404,7 +415,8 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     V = v.shape[-1]
     C = CHUNK
     BK = max(16, triton.next_power_of_2(K))
-    BV = _pick(V)
+    BV = _pick(V, "bwd_bv")
+    SBV = _pick(V, "seq_bv")
     dev = q.device
     seq, bos, off, NC = _chunk_tables(cu, C)
     N = cu.numel() - 1
@@ -421,14 +433,15 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     kda_prep_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
                              Wk, U, Qd, Ke, M, X, GL, float(lower_bound), float(scale),
                              H=H, K=K, V=V, C=C, BK=BK, BV=BV, USE_L2=use_l2, DT=DT,
-                             num_warps=4)
+                             num_warps=CONFIG["prep_warps"])
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     hs = torch.empty(NC, H, BK, V, device=dev, dtype=st)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    kda_fwd_kernel[(N, H, triton.cdiv(V, BV))](
+    kda_fwd_kernel[(N, H, triton.cdiv(V, SBV))](
         Wk, U, Qd, Ke, M, GL, h0 if h0 is not None else o, o, hs, ht if ht is not None else o,
-        off, bos, cu32, H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=h0 is not None,
-        STORE_FINAL=output_final_state, DT=DT, num_warps=4)
+        off, bos, cu32, H=H, K=K, V=V, C=C, BK=BK, BV=SBV, HAS_H0=h0 is not None,
+        STORE_FINAL=output_final_state, DT=DT, num_warps=CONFIG["fwd_warps"],
+        num_stages=CONFIG["fwd_stages"])
     saved = (Wk, U, Qd, Ke, M, X, GL, hs, seq, bos, off, cu32)
     return o, ht, saved
 
@@ -440,7 +453,8 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     V = v.shape[-1]
     C = CHUNK
     BK = Wk.shape[-1]
-    BV = _pick(V)
+    BV = _pick(V, "bwd_bv")
+    SBV = _pick(V, "seq_bv")
     NC = Wk.shape[0]
     N = off.numel() - 1
     dev = q.device
@@ -451,11 +465,11 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
     if dht is not None:
         dht = dht.contiguous().float()
-    kda_bwd_h_kernel[(N, H, triton.cdiv(V, BV))](
+    kda_bwd_h_kernel[(N, H, triton.cdiv(V, SBV))](
         Wk, Qd, Ke, M, GL, dht if dht is not None else do, do, dhs, dW,
         dh0 if dh0 is not None else do, off, bos, cu32,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=has_h0, DT=DT,
-        num_warps=4)
+        H=H, K=K, V=V, C=C, BK=BK, BV=SBV, HAS_DHT=dht is not None, STORE_DH0=has_h0, DT=DT,
+        num_warps=CONFIG["bwd_h_warps"], num_stages=CONFIG["bwd_h_stages"])
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -468,7 +482,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
                             dq, dk, dv, dg, db, dA_part, ddt_part,
                             float(lower_bound), float(scale),
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, USE_L2=use_l2, DT=DT,
-                            num_warps=8)
+                            num_warps=CONFIG["bwd_warps"])
     dA_log = dA_part.sum(0)
     ddt = ddt_part.sum(0)[:, :K].reshape(H * K)
     return dq, dk, dv, dg, db, dA_log, ddt, dh0
