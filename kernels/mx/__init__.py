@@ -4,9 +4,15 @@ Blocks of 32 run along the last (reduction) dimension, each with one E8M0 scale
 byte. Numerics are documented in ``kernels/mx/formats.py`` and
 ``docs/mx_notes.md``.
 
-Functional API (``backend``: ``"auto"`` picks Triton for CUDA tensors and the
-PyTorch reference otherwise; ``"triton"`` forces the kernels, which run through
-Triton's interpreter on CPU; ``"reference"`` forces the float64 reference)::
+Functional API. ``backend``:
+
+* ``"auto"``: Triton for CUDA tensors, ``"torch"`` otherwise;
+* ``"triton"``: the Triton kernels (on CPU through Triton's interpreter, which needs
+  ``TRITON_INTERPRET=1`` before triton is imported);
+* ``"torch"``: a vectorized PyTorch port of the kernels' bit-level algorithm (fast on CPU);
+* ``"reference"``: the float64 reference, written for clarity.
+
+All four give identical bits (tests check it)::
 
     data, scale = mx_quantize(x, "e4m3", rule="floor")    # data: float8_e4m3fn [..., K]
     data, scale = mx_quantize(w, "e2m1", rule="rceil")    # data: uint8 [..., K/2] (packed)
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import reference, torch_impl
 from .formats import (BLOCK, E2M1, E4M3, E5M2, FORMATS, SCALE_NAN, SCALE_RULES, ElemFormat,
                       check_encoded, check_input, check_output_dtype, check_rule, get_format)
 
@@ -29,20 +35,20 @@ __all__ = [
     "get_format", "mx_quantize", "mx_dequantize", "mx_fake_quantize", "pack_fp4", "unpack_fp4",
 ]
 
-_BACKENDS = ("auto", "triton", "reference")
+_BACKENDS = ("auto", "triton", "torch", "reference")
 
 pack_fp4 = reference.pack_fp4
 unpack_fp4 = reference.unpack_fp4
 
 
-def _use_triton(t: torch.Tensor, backend: str) -> bool:
+def _backend(t: torch.Tensor, backend: str) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"unknown MX backend {backend!r}; expected one of {_BACKENDS}")
     if backend == "auto":
-        return t.is_cuda
+        return "triton" if t.is_cuda else "torch"
     if backend == "triton" and not (t.is_cuda or t.device.type == "cpu"):
         raise ValueError(f"the Triton MX kernels need a CUDA or CPU tensor, got {t.device}")
-    return backend == "triton"
+    return backend
 
 
 def mx_quantize(x: torch.Tensor, fmt="e4m3", rule: str = "floor", backend: str = "auto"):
@@ -54,12 +60,15 @@ def mx_quantize(x: torch.Tensor, fmt="e4m3", rule: str = "floor", backend: str =
     fmt = get_format(fmt)
     check_rule(rule)
     check_input(x)
-    if _use_triton(x, backend):
+    be = _backend(x, backend)
+    if be == "triton":
         from . import triton_mx
-        data, scale = triton_mx.quantize(x.contiguous(), fmt, rule)
+        data, scale = triton_mx.quantize(x.detach().contiguous(), fmt, rule)
         if not fmt.packed:
             data = data.view(fmt.torch_dtype)
         return data, scale
+    if be == "torch":
+        return torch_impl.quantize(x.detach(), fmt, rule)
     return reference.quantize(x, fmt, rule)
 
 
@@ -69,10 +78,13 @@ def mx_dequantize(data: torch.Tensor, scale: torch.Tensor, fmt="e4m3",
     fmt = get_format(fmt)
     check_output_dtype(dtype)
     k = check_encoded(data, scale, fmt)
-    if _use_triton(data, backend):
+    be = _backend(data, backend)
+    if be == "triton":
         from . import triton_mx
         return triton_mx.dequantize(data.contiguous().view(torch.uint8), scale.contiguous(),
                                     fmt, k, dtype)
+    if be == "torch":
+        return torch_impl.dequantize(data.view(torch.uint8), scale, fmt, k, dtype)
     return reference.dequantize(data, scale, fmt, dtype)
 
 
@@ -83,7 +95,10 @@ def mx_fake_quantize(x: torch.Tensor, fmt="e4m3", rule: str = "floor",
     fmt = get_format(fmt)
     check_rule(rule)
     check_input(x)
-    if _use_triton(x, backend):
+    be = _backend(x, backend)
+    if be == "triton":
         from . import triton_mx
         return triton_mx.quantize(x.detach().contiguous(), fmt, rule, fake=True)
-    return reference.fake_quantize(x, fmt, rule)
+    if be == "torch":
+        return torch_impl.fake_quantize(x.detach(), fmt, rule)
+    return reference.fake_quantize(x.detach(), fmt, rule)

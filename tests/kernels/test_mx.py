@@ -203,7 +203,7 @@ def test_reference_error_bound(fmt):
 # errors
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
 def test_errors(backend):
     with pytest.raises(ValueError, match="multiple of the block size 32"):
         mx_quantize(torch.randn(4, 48), "e4m3", backend=backend)
@@ -234,20 +234,39 @@ def test_errors(backend):
 # Triton == reference, bit for bit
 # ----------------------------------------------------------------------------------------------
 
-def _check_triton(x_cpu: torch.Tensor, fmt: str, rule: str):
+def _check_triton(x_cpu: torch.Tensor, fmt: str, rule: str, backend: str = "triton"):
     f = R.get_format(fmt)
-    x = x_cpu.to(DEV)
+    x = x_cpu.to(DEV if backend == "triton" else "cpu")
     d_ref, s_ref = R.quantize(x_cpu, f, rule)
-    d_tr, s_tr = mx_quantize(x, fmt, rule, backend="triton")
+    d_tr, s_tr = mx_quantize(x, fmt, rule, backend=backend)
     assert d_tr.dtype == d_ref.dtype and d_tr.shape == d_ref.shape
     assert torch.equal(_bits(d_tr).cpu(), _bits(d_ref)), f"{fmt}/{rule}: element codes differ"
     assert torch.equal(s_tr.cpu(), s_ref), f"{fmt}/{rule}: scales differ"
     for dt in DTYPES:
         y_ref = R.dequantize(d_ref, s_ref, f, dt)
-        y_tr = mx_dequantize(d_tr, s_tr, fmt, dtype=dt, backend="triton")
+        y_tr = mx_dequantize(d_tr, s_tr, fmt, dtype=dt, backend=backend)
         assert _same_values(y_tr.cpu(), y_ref), f"{fmt}/{rule}: dequantize to {dt} differs"
-    fq = mx_fake_quantize(x, fmt, rule, backend="triton")
+    fq = mx_fake_quantize(x, fmt, rule, backend=backend)
     assert _same_values(fq.cpu(), R.dequantize(d_ref, s_ref, f, x.dtype)), "fake quant differs"
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_torch_backend_bit_exact(fmt, rule):
+    """The vectorized torch port (the CPU fast path used by ``backend='auto'``)."""
+    for dtype in DTYPES:
+        for i, shape in enumerate([(1, 32), (3, 5, 64), (65, 512)]):
+            _check_triton(random_input(shape, dtype, seed=200 + i), fmt, rule, backend="torch")
+        _check_triton(edge_input(fmt).to(dtype), fmt, rule, backend="torch")
+    f = R.get_format(fmt)
+    data = torch.randint(0, 256, (128, 32 if f.packed else 64), dtype=torch.uint8)
+    scale = torch.arange(256, dtype=torch.uint8).reshape(128, 2)
+    if not f.packed:
+        data = data.view(f.torch_dtype)
+    for dt in DTYPES:
+        assert _same_values(mx_dequantize(data, scale, fmt, dtype=dt, backend="torch"),
+                            R.dequantize(data, scale, f, dt))
+    assert mx_fake_quantize(torch.empty(0, 32), fmt, rule).shape == (0, 32)
 
 
 @triton_cpu
