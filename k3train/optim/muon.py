@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.optim.newton_schulz import default_ns_dtype, muon_update_scale, newton_schulz
-from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params
+from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params, tp_gather_cat, tp_local_slice
 from k3train.model.roles import require_role
 
 __all__ = ["K3Muon", "build_muon"]
@@ -329,6 +329,8 @@ class K3Muon(torch.optim.Optimizer):
         self.last_step_info = {
             "buckets": [(b.shape, b.num_blocks) for b in buckets],
             "muon_params": len(items),
+            "ns_blocks_total": sum(b.num_blocks for b in buckets),
+            "ns_blocks_local": self._ns_blocks_local,
         }
 
     def _tp_gather(self, items: list[_Item]) -> None:
@@ -343,7 +345,7 @@ class K3Muon(torch.optim.Optimizer):
         for it in todo:
             n = it.u.numel()
             pieces = [o[off : off + n].view(it.spec.local_shape) for o in out]
-            it.u = torch.cat(pieces, dim=it.spec.gather_dim)
+            it.u = tp_gather_cat(pieces, it.spec.gather_dim, it.spec.stride)
             off += n
 
     def _make_buckets(self, items: list[_Item]) -> list[_Bucket]:
@@ -388,12 +390,14 @@ class K3Muon(torch.optim.Optimizer):
     def _orthogonalize(self, items: list[_Item], buckets: list[_Bucket]) -> None:
         dp = _group_size(self.dp_group)
         results: list[torch.Tensor] = []  # per bucket: [N, m, n] canonical
+        self._ns_blocks_local = sum(b.num_blocks for b in buckets)
         if dp == 1:
             for b in buckets:
                 results.append(self._ns(self._bucket_input(items, b, 0, b.num_blocks), b))
         else:
             rank = _group_rank(self.dp_group)
             counts = assign_blocks(buckets, dp)
+            self._ns_blocks_local = sum(c[rank] for c in counts)
             device = items[0].u.device
             dtype = self.ns_dtype or default_ns_dtype(device)
             mine = []
@@ -434,10 +438,11 @@ class K3Muon(torch.optim.Optimizer):
         if spec.gather_dim is None and p.is_contiguous():
             spec.blocks(p).add_(upd, alpha=-lr)
             return
-        full = upd.reshape(spec.full_shape) if spec.mode != "whole" else upd[0]
+        full = torch.empty(spec.full_shape, dtype=upd.dtype, device=upd.device)
+        spec.blocks(full).copy_(upd)
         if spec.gather_dim is not None:
-            local = spec.local_shape[spec.gather_dim]
-            full = full.narrow(spec.gather_dim, _group_rank(self.tp_group) * local, local)
+            tp = self.tp_group
+            full = tp_local_slice(full, spec.gather_dim, _group_rank(tp), _group_size(tp), spec.stride)
         p.add_(full.reshape(p.shape), alpha=-lr)
 
 

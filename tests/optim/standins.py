@@ -26,6 +26,8 @@ SPECS: dict[str, tuple[tuple[int, ...], ParamRole]] = {
     "f_a": ((6, 16), ParamRole(Kind.MATRIX)),
     "f_b": ((32, 6), ParamRole(Kind.MATRIX)),
     "experts_w1": ((4, 12, 16), ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1)),
+    "experts_w13": ((4, 2 * 12, 16), ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1, tp_partition_stride=2)),
+    "v": ((4 * 8, 16), ParamRole(Kind.MATRIX, "kda_qkv", 8, 1)),  # per-head but row-sharded: gathered
     "experts_w2": ((4, 16, 12), ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=2)),
     "norm": ((16,), ParamRole(Kind.NORM)),
     "conv": ((32, 1, 4), ParamRole(Kind.CONV)),
@@ -40,10 +42,12 @@ def full_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 def shard(name: str, t: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    dim = SPECS[name][1].tp_partition_dim
+    role = SPECS[name][1]
+    dim = role.tp_partition_dim
     if tp_size == 1 or dim is None:
         return t.clone()
-    return t.chunk(tp_size, dim=dim)[tp_rank].clone()
+    parts = t.chunk(role.tp_partition_stride, dim=dim)
+    return torch.cat([p.chunk(tp_size, dim=dim)[tp_rank] for p in parts], dim=dim).clone()
 
 
 class StandInModel(nn.Module):

@@ -79,14 +79,15 @@ def test_per_head_whole_and_expert_updates_match_blockwise_reference():
         elif role.kind == Kind.MATRIX:
             blocks_of = lambda t: t.unsqueeze(0)  # noqa: E731
         elif role.kind == Kind.EXPERT_MATRIX:
-            blocks_of = lambda t: t  # noqa: E731
+            s = role.tp_partition_stride  # gate|up stacks: each half is its own matrix
+            blocks_of = lambda t, s=s: t.view(t.shape[0] * s, t.shape[1] // s, t.shape[2])  # noqa: E731
         else:
             continue
         exp = _expected_delta(grads[name], blocks_of, lr)
         got = (getattr(m, name).detach() - before[name]).double()
         assert ((got - exp).norm() / exp.norm()) < 1e-5, name
     # all per-head blocks of one shape went through one call (8x16: q and k, 4 heads each)
-    assert ((8, 16), 8) in opt.last_step_info["buckets"]
+    assert ((8, 16), 12) in opt.last_step_info["buckets"]  # q, k, v: 4 heads each
 
 
 def test_per_head_groups_config_switches_to_whole():
@@ -95,7 +96,7 @@ def test_per_head_groups_config_switches_to_whole():
     m.set_grads(1)
     opt.step()
     shapes = dict(opt.last_step_info["buckets"])
-    assert (8, 16) not in shapes and shapes[(16, 32)] == 4  # q, k, g (32x16 -> 16x32) and o
+    assert (8, 16) not in shapes and shapes[(16, 32)] == 5  # q, k, v, g (32x16 -> 16x32) and o
 
 
 def _run(model, opt, seeds):
