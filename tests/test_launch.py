@@ -1,0 +1,115 @@
+"""Launch scripts: syntax, dry runs, a real 2-process torchrun on CPU, wheelhouse helpers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch"
+SCRIPTS = ["setup_env.sh", "torchrun.sh", "slurm.sbatch", "build_wheelhouse.sh"]
+
+
+def _run(cmd, env=None, **kw):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=kw.pop("timeout", 120), **kw)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_scripts_parse_and_are_executable(name):
+    path = LAUNCH / name
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    r = _run(["bash", "-n", str(path)])
+    assert r.returncode == 0, r.stderr
+
+
+def test_torchrun_dry_run_and_bad_nproc():
+    r = _run([str(LAUNCH / "torchrun.sh"), "model=k3_tiny", "train.steps=5"], {"K3_DRY_RUN": "1", "NPROC": "2"})
+    assert r.returncode == 0, r.stderr
+    assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m k3train.train model=k3_tiny train.steps=5" in r.stdout
+    r = _run([str(LAUNCH / "torchrun.sh")], {"K3_DRY_RUN": "1", "NPROC": "two"})
+    assert r.returncode == 2 and "NPROC must be a positive integer" in r.stderr
+    r = _run([str(LAUNCH / "torchrun.sh")], {"K3_DRY_RUN": "1", "NPROC": "2", "MASTER_PORT": "29611"})
+    assert "--master-port 29611" in r.stdout and "--standalone" not in r.stdout
+
+
+def test_torchrun_starts_two_cpu_processes(tmp_path):
+    probe = tmp_path / "k3probe.py"
+    probe.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], "
+                     "'threads', os.environ['OMP_NUM_THREADS'], 'args', ' '.join(sys.argv[1:]), flush=True)\n")
+    env = {"NPROC": "2", "K3_ENTRY": "k3probe", "PYTHONPATH": str(tmp_path), "VENV": str(Path(sys.executable).parent.parent)}
+    r = _run([str(LAUNCH / "torchrun.sh"), "a=1"], env, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("rank"))
+    assert [line.split()[:4] for line in lines] == [["rank", "0", "of", "2"], ["rank", "1", "of", "2"]]
+    assert all(line.endswith("args a=1") for line in lines)
+
+
+def test_slurm_dry_run(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\necho nodeA\necho nodeB\n")
+    (fake / "scontrol").chmod(0o755)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_GPUS_ON_NODE": "4",
+           "K3_DRY_RUN": "1"}
+    r = _run(["bash", str(LAUNCH / "slurm.sbatch"), "model=k3_tiny"], env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("srun ") and "--nnodes 2 --nproc-per-node 4" in out
+    assert "--rdzv-backend c10d --rdzv-endpoint nodeA:29500" in out and "--rdzv-id 77" in out
+    assert out.strip().endswith("-m k3train.train model=k3_tiny")
+    env.pop("SLURM_JOB_ID")
+    r = _run(["bash", str(LAUNCH / "slurm.sbatch")], {k: v for k, v in env.items()} | {"SLURM_JOB_ID": ""})
+    assert r.returncode == 2 and "not inside a SLURM job" in r.stderr
+
+
+def test_setup_env_dry_run(tmp_path):
+    venv = tmp_path / "venv"
+    r = _run([str(LAUNCH / "setup_env.sh")], {"VENV": str(venv), "K3_DRY_RUN": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "-m venv" in r.stdout and "pip install torch==2.13.0" in r.stdout and f"pip install -e {REPO}[dev]" in r.stdout
+    assert not venv.exists()
+    (tmp_path / "broken").mkdir()
+    r = _run([str(LAUNCH / "setup_env.sh")], {"VENV": str(tmp_path / "broken")})
+    assert r.returncode == 2 and "has no bin/python" in r.stderr
+
+
+def _wheelhouse_module():
+    spec = importlib.util.spec_from_file_location("build_wheelhouse", LAUNCH / "build_wheelhouse.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_wheelhouse_helpers():
+    wh = _wheelhouse_module()
+    tags = wh.platform_tags("manylinux_2_28_x86_64")
+    assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_17_x86_64" in tags
+    assert "manylinux2014_x86_64" in tags and "manylinux1_x86_64" in tags
+    env = wh.marker_env("3.12", "manylinux_2_28_x86_64")
+    assert env["python_version"] == "3.12" and env["platform_machine"] == "x86_64" and env["sys_platform"] == "linux"
+    allowed = wh.target_tags("3.12", tags)
+    assert "cp312-cp312-manylinux_2_17_x86_64" in allowed and "cp310-abi3-manylinux2014_x86_64" in allowed
+    assert "py3-none-any" in allowed and "cp311-cp311-manylinux_2_17_x86_64" not in allowed
+    assert wh.excluded("nvidia-cudnn-cu12", ["torch", "nvidia-*"]) and wh.excluded("torch", ["torch"])
+    assert not wh.excluded("torchvision", ["torch"])
+    from packaging.requirements import Requirement
+
+    assert wh.wanted(Requirement('x; python_version >= "3.12"'), env, set())
+    assert not wh.wanted(Requirement('x; python_version < "3.12"'), env, set())
+    assert wh.wanted(Requirement('x; extra == "bench"'), env, {"bench"})
+    assert not wh.wanted(Requirement('x; extra == "bench"'), env, set())
+
+
+def test_wheelhouse_help_and_bad_args():
+    r = _run([sys.executable, str(LAUNCH / "build_wheelhouse.py"), "--help"])
+    assert r.returncode == 0 and "--python-version" in r.stdout and "--exclude" in r.stdout
+    r = _run([sys.executable, str(LAUNCH / "build_wheelhouse.py"), "--python-version", "twelve",
+              "--platform", "manylinux_2_28_x86_64", "--out", "/tmp/unused-wheelhouse"])
+    assert r.returncode == 2 and "--python-version must look like 3.12" in r.stderr
