@@ -17,9 +17,8 @@ model built with the same seed is the same model at any TP size.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,23 +34,55 @@ def te_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+def _no_init(weight: torch.Tensor) -> None:
+    """Backends are built without drawing from the RNG; ``TPSpec._init`` initialises every weight."""
 
 
-class _ColumnParallel(nn.Module):
-    """Wraps Megatron-Core's column-parallel linear to return only the output: y = x Wᵀ (local rows)."""
+def _without_rng(cls: type, *args, **kwargs) -> nn.Module:
+    """Build a torch module whose own default init leaves the global RNG stream untouched."""
+    with torch.random.fork_rng(devices=[]):
+        return cls(*args, **kwargs)
 
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
 
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.inner.weight
+def _output_only(cls: type) -> type:
+    """A Megatron-Core parallel linear whose forward returns only the output (no bias tuple)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)[0]
+    class OutputOnly(cls):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)[0]
+
+    OutputOnly.__name__ = cls.__name__
+    return OutputOnly
+
+
+class _CopyToTP(torch.autograd.Function):
+    """y = x; dx = Σ_TP dy. (Megatron-Core 0.16's mapping all-reduces a temporary copy when the
+    gradient is non-contiguous, e.g. after ``expand``, and loses the sum; this one does not.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """y = Σ_TP x; dx = dy."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class TPSpec:
@@ -77,6 +108,7 @@ class TPSpec:
             self._mcore_config = ModelParallelConfig(
                 tensor_model_parallel_size=self.size,
                 use_cpu_initialization=True,
+                perform_initialization=False,
                 params_dtype=torch.float32,
             )
 
@@ -94,28 +126,44 @@ class TPSpec:
         parts = full.chunk(stride, dim=dim)
         return torch.cat([p.chunk(self.size, dim=dim)[self.rank] for p in parts], dim=dim).contiguous()
 
+    def unshard(self, local: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
+        """Inverse of ``shard``: all-gather the TP shards of ``local`` into the full tensor."""
+        if self.size == 1:
+            return local
+        shards = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(shards, local.contiguous(), group=self.groups.tp)
+        parts = zip(*(s.chunk(stride, dim=dim) for s in shards))  # per part, its piece from every rank
+        return torch.cat([torch.cat(pieces, dim=dim) for pieces in parts], dim=dim)
+
     def copy_to_tp(self, x: torch.Tensor) -> torch.Tensor:
         """Identity forward, all-reduce of the gradient over TP (a replicated value read by sharded heads)."""
-        if self.size == 1:
-            return x
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-        return copy_to_tensor_model_parallel_region(x, group=self.groups.tp)
+        return x if self.size == 1 else _CopyToTP.apply(x, self.groups.tp)
 
     def reduce_from_tp(self, x: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) over TP forward, identity backward (partial sums of sharded experts)."""
-        if self.size == 1:
-            return x
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        return reduce_from_tensor_model_parallel_region(x, group=self.groups.tp)
+        return x if self.size == 1 else _ReduceFromTP.apply(x, self.groups.tp)
 
     # --- layers --------------------------------------------------------------------------
-    def replicated(self, in_features: int, out_features: int, kind: Kind = Kind.MATRIX,
-                   head_group: str | None = None, head_dim: int | None = None) -> nn.Linear:
-        lin = nn.Linear(in_features, out_features, bias=False)
-        _normal_init(self.init_std)(lin.weight.data)
-        set_role(lin.weight, ParamRole(kind, head_group=head_group, head_dim=head_dim))
+    def _init(self, weight: torch.Tensor, role: ParamRole) -> None:
+        """Draw the full matrix N(0, init_std²) and keep this rank's shard; set the role.
+
+        Backends are built without their own initialisation, so the RNG stream, and hence the
+        model, is the same for every backend and TP size.
+        """
+        full_shape = list(weight.shape)
+        if role.tp_partition_dim is not None:
+            full_shape[role.tp_partition_dim] *= self.size
+        full = torch.empty(full_shape, device=weight.device).normal_(0.0, self.init_std)
+        with torch.no_grad():
+            if role.tp_partition_dim is None:
+                weight.copy_(full)
+            else:
+                weight.copy_(self.shard(full, role.tp_partition_dim, role.tp_partition_stride))
+        set_role(weight, role)
+
+    def replicated(self, in_features: int, out_features: int, kind: Kind = Kind.MATRIX) -> nn.Linear:
+        lin = _without_rng(nn.Linear, in_features, out_features, bias=False)
+        self._init(lin.weight, ParamRole(kind))
         return lin
 
     def column(self, in_features: int, out_features: int, *, what: str, kind: Kind = Kind.MATRIX,
@@ -123,55 +171,53 @@ class TPSpec:
         """y_local = x W_localᵀ, W sharded on its output rows. Input gradient is all-reduced over TP."""
         out_local = self.local(out_features, what)
         if self.backend == "torch":
-            mod = self.replicated(in_features, out_features, kind)
+            mod = _without_rng(nn.Linear, in_features, out_features, bias=False)
         elif self.backend == "megatron":
             from megatron.core.tensor_parallel import ColumnParallelLinear
 
-            mod = _ColumnParallel(ColumnParallelLinear(
-                in_features, out_features, config=self._mcore_config, init_method=_normal_init(self.init_std),
-                bias=False, gather_output=False, tp_group=self.groups.tp))
+            mod = _output_only(ColumnParallelLinear)(
+                in_features, out_features, config=self._mcore_config, init_method=_no_init, bias=False,
+                gather_output=False, tp_group=self.groups.tp)
         else:
             mod = self._te_linear(in_features, out_features, "column")
         assert mod.weight.shape == (out_local, in_features)
-        set_role(mod.weight, ParamRole(kind, head_group=head_group, head_dim=head_dim, tp_partition_dim=0))
+        self._init(mod.weight, ParamRole(kind, head_group=head_group, head_dim=head_dim, tp_partition_dim=0))
         return mod
 
     def row(self, in_features: int, out_features: int, *, what: str, kind: Kind = Kind.MATRIX) -> nn.Module:
         """y = all_reduce(x_local W_localᵀ), W sharded on its input columns."""
         in_local = self.local(in_features, what)
         if self.backend == "torch":
-            mod = self.replicated(in_features, out_features, kind)
+            mod = _without_rng(nn.Linear, in_features, out_features, bias=False)
         elif self.backend == "megatron":
             from megatron.core.tensor_parallel import RowParallelLinear
 
-            mod = _ColumnParallel(RowParallelLinear(
-                in_features, out_features, config=self._mcore_config, init_method=_normal_init(self.init_std),
-                bias=False, input_is_parallel=True, skip_bias_add=True, tp_group=self.groups.tp))
+            mod = _output_only(RowParallelLinear)(
+                in_features, out_features, config=self._mcore_config, init_method=_no_init, bias=False,
+                input_is_parallel=True, skip_bias_add=True, tp_group=self.groups.tp)
         else:
             mod = self._te_linear(in_features, out_features, "row")
         assert mod.weight.shape == (out_features, in_local)
-        set_role(mod.weight, ParamRole(kind, tp_partition_dim=1))
+        self._init(mod.weight, ParamRole(kind, tp_partition_dim=1))
         return mod
 
     def _te_linear(self, in_features: int, out_features: int, mode: str) -> nn.Module:
         import transformer_engine.pytorch as te
 
         return te.Linear(in_features, out_features, bias=False, tp_group=self.groups.tp, tp_size=self.size,
-                         parallel_mode=mode, init_method=_normal_init(self.init_std),
-                         params_dtype=torch.float32, device="cuda")
+                         parallel_mode=mode, init_method=_no_init, params_dtype=torch.float32, device="cuda")
 
     def embedding(self, vocab: int, dim: int) -> nn.Module:
         """Token embedding, vocabulary sharded over TP."""
         self.local(vocab, "model.vocab_size")
         if self.backend == "torch":
-            mod = nn.Embedding(vocab, dim)
-            _normal_init(self.init_std)(mod.weight.data)
+            mod = _without_rng(nn.Embedding, vocab, dim)
         else:
             from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-            mod = VocabParallelEmbedding(vocab, dim, init_method=_normal_init(self.init_std),
-                                         config=self._mcore_config, tp_group=self.groups.tp)
-        set_role(mod.weight, ParamRole(Kind.EMBEDDING, tp_partition_dim=0))
+            mod = VocabParallelEmbedding(vocab, dim, init_method=_no_init, config=self._mcore_config,
+                                         tp_group=self.groups.tp)
+        self._init(mod.weight, ParamRole(Kind.EMBEDDING, tp_partition_dim=0))
         return mod
 
     def cross_entropy(self, logits_local: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,12 @@
+import os
+import sys
+import warnings
+
+# Tests import helpers that sit beside them (tests/multiprocess.py), also in spawned ranks.
+_here = os.path.dirname(os.path.abspath(__file__))
+if _here not in sys.path:
+    sys.path.insert(0, _here)
+os.environ.setdefault("PYTHONPATH", "")
+if _here not in os.environ["PYTHONPATH"].split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_here, os.environ["PYTHONPATH"]) if p)
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

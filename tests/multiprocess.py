@@ -1,0 +1,39 @@
+"""Run a function on N local processes over gloo (CPU): the multi-rank tests use this."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except ImportError:
+            pass
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args) -> None:
+    """Spawn ``world`` gloo ranks running ``fn(rank, world, *args)``; a failure on any rank raises."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
