@@ -50,6 +50,9 @@ CONFIG = {
     "bwd_h_stages": 2,
     "bwd_bv": 64,         # V tile looped over inside the parallel backward kernel
     "bwd_warps": 8,
+    "inv_prec": "ieee",       # (I + A)^-1 merges and -X^T dX X^T: plain fp32 FMA
+    "grad_prec": "tf32x3",    # intra-chunk backward dots feeding dg: fp32 operands,
+                              # 3-pass tf32 (~fp32); "bf16" = one bf16 tensor-core pass
 }
 
 
@@ -94,13 +97,33 @@ def _load_chunk_inputs(q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound,
 
 
 @triton.jit
+def _tri_inverse(A, r, C: tl.constexpr, INV_PREC: tl.constexpr):
+    blk8 = (r[:, None] // 8) == (r[None, :] // 8)
+    diag = r[:, None] == r[None, :]
+    Ad = tl.where(blk8, A, 0.)
+    Y = tl.where(diag, 1., 0.)
+    for i in range(1, 8):
+        sel = (r % 8) == i
+        a_i = tl.reduce(tl.where(sel[:, None], Ad, 0.), 0, _sum_combine)
+        row = -tl.reduce(a_i[:, None] * Y, 0, _sum_combine)
+        Y = tl.where(sel[:, None] & blk8, tl.where(diag, 1., row[None, :]), Y)
+    blk16 = (r[:, None] // 16) == (r[None, :] // 16)
+    A1 = tl.where(blk16 & (~blk8), A, 0.)
+    Y = Y - tl.dot(tl.dot(Y, A1, input_precision=INV_PREC), Y, input_precision=INV_PREC)
+    if C > 16:
+        A2 = tl.where(~blk16, A, 0.)
+        Y = Y - tl.dot(tl.dot(Y, A2, input_precision=INV_PREC), Y, input_precision=INV_PREC)
+    return Y
+
+
+@triton.jit
 def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
                     chunk_seq, chunk_bos, cu,
                     Wk, U, Qd, Ke, Mqk, Xinv, GL,
                     lower_bound, scale,
                     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
-                    DT: tl.constexpr):
+                    DT: tl.constexpr, INV_PREC: tl.constexpr):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
@@ -124,13 +147,10 @@ def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
     A = tl.dot(Ki, tl.trans(Kh))
     A = tl.where(strict, A * bb[:, None], 0.)
     Mm = tl.where(incl, tl.dot(Qi, tl.trans(Kh)), 0.)
-    # X = (I + A)^-1, forward substitution (A strictly lower)
-    X = tl.where(incl & (r[:, None] == r[None, :]), 1., 0.)
-    for i in range(1, C):
-        a_i = tl.reduce(tl.where(r[:, None] == i, A, 0.), 0, _sum_combine)  # A[i, :]
-        row = -tl.reduce(a_i[:, None] * X, 0, _sum_combine)               # -(A[i, :] @ X)
-        row = tl.where(r == i, 1., row)
-        X = tl.where(r[:, None] == i, row[None, :], X)
+    # X = (I + A)^-1 (A strictly lower): forward substitution inside 8 x 8 diagonal blocks,
+    # the four blocks at once (their rows have disjoint column supports), then two exact
+    # block merges  [[Y1, 0], [B, Y2]]^-1 = Y - Y A_off Y  (8 -> 16 -> 32), in fp32.
+    X = _tri_inverse(A, r, C, INV_PREC)
     Tm = X * bb[None, :]
     e_G = tl.exp(G)
     Kd = kn * e_G
@@ -262,43 +282,36 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
                    lower_bound, scale,
                    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
-                   DT: tl.constexpr):
+                   DT: tl.constexpr, GP: tl.constexpr, GPREC: tl.constexpr,
+                   INV_PREC: tl.constexpr):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
     bos = tl.load(chunk_bos + i_c)
     eos = tl.load(cu + n + 1)
     ln = eos - bos
-    qs, kn, x, sig, gate, bb, rq, rk, qn, a = _load_chunk_inputs(
-        q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
     rv = r < ln
     km = ck < K
-    G = tl.associative_scan(gate, 0, _sum_combine)
-    g_ref = tl.reduce(tl.where(r[:, None] == (C // 2 - 1), G, 0.), 0, _sum_combine)
-    g_last = tl.reduce(tl.where(r[:, None] == (C - 1), G, 0.), 0, _sum_combine)
-    e_in = tl.exp(G - g_ref[None, :])
-    e_out = tl.exp(g_ref[None, :] - G)
-    e_G = tl.exp(G)
-    e_E = tl.exp(g_last[None, :] - G)
-    incl = r[:, None] >= r[None, :]
-    strict = r[:, None] > r[None, :]
+    tok = (bos + r).to(tl.int64)
     base = (i_c * H + i_h).to(tl.int64)
     occ = base * (C * C) + r[:, None] * C + r[None, :]
     okc = base * (C * BK) + r[:, None] * BK + ck[None, :]
+    # ---- phase 1: contractions over V (only k e^G, T and Wk are needed here)
+    qs, kn, x, sig, gate, bb, rq, rk, qn, a = _load_chunk_inputs(
+        q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
+    G = tl.associative_scan(gate, 0, _sum_combine)
+    KdD = (kn * tl.exp(G)).to(DT)
     X = tl.load(Xinv + occ)
-    Tm = X * bb[None, :]
-    TmD = Tm.to(DT)
+    TmD = (X * bb[None, :]).to(DT)
     bWk = tl.load(Wk + okc).to(DT)
-    KdD = (kn * e_G).to(DT)
     dM = tl.zeros([C, C], dtype=tl.float32)
     dT = tl.zeros([C, C], dtype=tl.float32)
     dQd = tl.zeros([C, BK], dtype=tl.float32)
     dKd = tl.zeros([C, BK], dtype=tl.float32)
     dKe = tl.zeros([C, BK], dtype=tl.float32)
     dgl = tl.zeros([BK], dtype=tl.float32)
-    tok = (bos + r).to(tl.int64)
     for iv in range(0, (V + BV - 1) // BV):
         cv = iv * BV + tl.arange(0, BV)
         vm = cv < V
@@ -313,8 +326,7 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         m2 = rv[:, None] & vm[None, :]
         bdo = tl.load(do + tv, mask=m2, other=0.).to(DT)
         bv = tl.load(v + tv, mask=m2, other=0.).to(tl.float32)
-        W = bU - tl.dot(bWk, S0)
-        WD = W.to(DT)
+        WD = (bU - tl.dot(bWk, S0)).to(DT)
         dM += tl.dot(bdo, tl.trans(WD))
         dQd += tl.dot(bdo, tl.trans(S0))
         dKe += tl.dot(WD, tl.trans(dSC))
@@ -324,35 +336,47 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         R = bv - tl.dot(KdD, S0)
         dT += tl.dot(bdW, tl.trans(R.to(DT)))
         dKd -= tl.dot(dR.to(DT), tl.trans(S0))
-    # intra-chunk factors through the middle reference point
-    Ki = kn * e_in
-    Kh = kn * e_out
-    Qi = qs * e_in
-    KiD = Ki.to(DT)
-    KhD = Kh.to(DT)
-    QiD = Qi.to(DT)
-    dM = tl.where(incl, dM, 0.)
-    dMD = dM.to(DT)
-    dQi = tl.dot(dMD, KhD)
-    dKh = tl.dot(tl.trans(dMD), QiD)
-    # T = X diag(beta), X = (I + A)^-1
+    # ---- phase 2: reload / recompute the chunk's factors (short live ranges)
+    qs, kn, x, sig, gate, bb, rq, rk, qn, a = _load_chunk_inputs(
+        q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
+    G = tl.associative_scan(gate, 0, _sum_combine)
+    g_ref = tl.reduce(tl.where(r[:, None] == (C // 2 - 1), G, 0.), 0, _sum_combine)
+    g_last = tl.reduce(tl.where(r[:, None] == (C - 1), G, 0.), 0, _sum_combine)
+    incl = r[:, None] >= r[None, :]
+    strict = r[:, None] > r[None, :]
+    # T = X diag(beta), X = (I + A)^-1:  dX = dT diag(beta), dA = strict(-X^T dX X^T)
     dbv = tl.reduce(dT * X, 0, _sum_combine)
     dX = dT * bb[None, :]
-    # dL = -X^T dX X^T  (kept in fp32: small C x C products)
-    dL = -tl.dot(tl.dot(tl.trans(X), dX), tl.trans(X))
+    dL = -tl.dot(tl.dot(tl.trans(X), dX, input_precision=INV_PREC), tl.trans(X),
+                 input_precision=INV_PREC)
     dA = tl.where(strict, dL, 0.)
-    Gm = tl.where(strict, tl.dot(KiD, tl.trans(KhD)), 0.)
+    dM = tl.where(incl, dM, 0.)
+    # intra-chunk factors through the middle reference point (each <= e^80)
+    e_in = tl.exp(G - g_ref[None, :])
+    e_out = tl.exp(g_ref[None, :] - G)
+    Ki = (kn * e_in).to(GP)
+    Kh = (kn * e_out).to(GP)
+    Qi = (qs * e_in).to(GP)
+    Gm = tl.where(strict, tl.dot(Ki, tl.trans(Kh), input_precision=GPREC), 0.)
     dbv += tl.reduce(dA * Gm, 1, _sum_combine)
-    dAb = (dA * bb[:, None]).to(DT)
-    dKi = tl.dot(dAb, KhD)
-    dKh += tl.dot(tl.trans(dAb), KiD)
-    Qd = qs * e_G
-    Kd = kn * e_G
-    Ke = kn * e_E
-    dqs = dQi * e_in + dQd * e_G
-    dkn = dKi * e_in + dKd * e_G + dKh * e_out + dKe * e_E
-    dG = dQi * Qi + dQd * Qd + dKi * Ki + dKd * Kd - dKh * Kh - dKe * Ke
-    dgC = tl.reduce(dKe * Ke, 0, _sum_combine) + tl.exp(g_last) * dgl
+    dAb = (dA * bb[:, None]).to(GP)
+    dMG = dM.to(GP)
+    dQi = tl.dot(dMG, Kh, input_precision=GPREC)
+    dKi = tl.dot(dAb, Kh, input_precision=GPREC)
+    dKh = tl.dot(tl.trans(dMG), Qi, input_precision=GPREC) + \
+        tl.dot(tl.trans(dAb), Ki, input_precision=GPREC)
+    dqs = dQi * e_in
+    dkn = dKi * e_in + dKh * e_out
+    dG = dQi * Qi.to(tl.float32) + dKi * Ki.to(tl.float32) - dKh * Kh.to(tl.float32)
+    e_G = tl.exp(G)
+    dqs += dQd * e_G
+    dkn += dKd * e_G
+    dG += (dQd * qs + dKd * kn) * e_G
+    e_E = tl.exp(g_last[None, :] - G)
+    dkn += dKe * e_E
+    dKeKe = dKe * kn * e_E
+    dG -= dKeKe
+    dgC = tl.reduce(dKeKe, 0, _sum_combine) + tl.exp(g_last) * dgl
     dG += tl.where(r[:, None] == C - 1, dgC[None, :], 0.)
     dgate = tl.reduce(dG, 0, _sum_combine)[None, :] - tl.associative_scan(dG, 0, _sum_combine) + dG
     m2k = rv[:, None] & km[None, :]
@@ -380,9 +404,17 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
 # --------------------------------------------------------------------------------------
 
 
-def _chunk_tables(cu: torch.Tensor, C: int):
+def _chunk_tables(cu: torch.Tensor, C: int, seq_len=None):
     """cu: int64 [N+1] on device.  Returns chunk_seq, chunk_bos (int32 [NC]), chunk_off
-    (int32 [N+1]) and NC."""
+    (int32 [N+1]) and NC.  With equal lengths (seq_len given) no host sync is needed."""
+    if seq_len is not None:
+        N = cu.numel() - 1
+        nt = (seq_len + C - 1) // C
+        idx = torch.arange(N * nt, device=cu.device, dtype=torch.int32)
+        seq = idx // nt
+        bos = seq * seq_len + (idx % nt) * C
+        off = torch.arange(N + 1, device=cu.device, dtype=torch.int32) * nt
+        return seq, bos, off, N * nt
     lens = cu[1:] - cu[:-1]
     nch = (lens + C - 1) // C
     off = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
@@ -410,7 +442,7 @@ def _pick(V, key):
 
 
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2,
-            output_final_state):
+            output_final_state, seq_len=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
@@ -418,7 +450,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     BV = _pick(V, "bwd_bv")
     SBV = _pick(V, "seq_bv")
     dev = q.device
-    seq, bos, off, NC = _chunk_tables(cu, C)
+    seq, bos, off, NC = _chunk_tables(cu, C, seq_len)
     N = cu.numel() - 1
     st = _store_dtype(q)
     DT = _dot_dtype(q)
@@ -433,7 +465,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     kda_prep_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
                              Wk, U, Qd, Ke, M, X, GL, float(lower_bound), float(scale),
                              H=H, K=K, V=V, C=C, BK=BK, BV=BV, USE_L2=use_l2, DT=DT,
-                             num_warps=CONFIG["prep_warps"])
+                             INV_PREC=CONFIG["inv_prec"], num_warps=CONFIG["prep_warps"])
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     hs = torch.empty(NC, H, BK, V, device=dev, dtype=st)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -459,6 +491,10 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     N = off.numel() - 1
     dev = q.device
     DT = _dot_dtype(q)
+    if CONFIG["grad_prec"] == "bf16" and DT == tl.bfloat16:
+        GP, GPREC = tl.bfloat16, "tf32"
+    else:
+        GP, GPREC = tl.float32, ("tf32x3" if CONFIG["grad_prec"] == "tf32x3" else "ieee")
     do = do.contiguous()
     dhs = torch.empty_like(hs)
     dW = torch.empty_like(U)
@@ -482,6 +518,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
                             dq, dk, dv, dg, db, dA_part, ddt_part,
                             float(lower_bound), float(scale),
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, USE_L2=use_l2, DT=DT,
+                            GP=GP, GPREC=GPREC, INV_PREC=CONFIG["inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
     dA_log = dA_part.sum(0)
     ddt = ddt_part.sum(0)[:, :K].reshape(H * K)
@@ -491,9 +528,9 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
 class KDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, scale,
-                use_l2, output_final_state):
+                use_l2, output_final_state, seq_len):
         o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-                               initial_state, cu, use_l2, output_final_state)
+                               initial_state, cu, use_l2, output_final_state, seq_len)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *saved)
         ctx.meta = (lower_bound, scale, initial_state is not None, use_l2)
         return o, ht
@@ -504,7 +541,7 @@ class KDAFunction(torch.autograd.Function):
         lower_bound, scale, has_h0, use_l2 = ctx.meta
         dq, dk, dv, dg, db, dA_log, ddt, dh0 = kda_bwd(
             q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht)
-        return dq, dk, dv, dg, db, dA_log, ddt, dh0, None, None, None, None, None
+        return dq, dk, dv, dg, db, dA_log, ddt, dh0, None, None, None, None, None, None
 
 
 def kda_triton(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None,
@@ -521,9 +558,11 @@ def kda_triton(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None
         scale = 1.0 / math.sqrt(K)
     if cu_seqlens is None:
         cu = torch.arange(0, B + 1, device=q.device, dtype=torch.int64) * T
+        seq_len = T
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
+        seq_len = None
     o, ht = KDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu,
                               float(lower_bound), float(scale), bool(use_qk_l2norm),
-                              bool(output_final_state))
+                              bool(output_final_state), seq_len)
     return o, ht
