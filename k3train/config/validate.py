@@ -62,6 +62,7 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     for name in ("tensor", "pipeline", "context", "expert", "expert_tensor"):
         _need(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
     _need(p.backend in ("auto", "gloo", "nccl"), f"parallel.backend={p.backend!r}: use auto, gloo or nccl")
+    validate_model(cfg.model, p.tensor, p.expert)
     for name in ("pipeline", "context", "expert"):
         _need(getattr(p, name) == 1, f"parallel.{name}={getattr(p, name)} is not supported by the training loop "
                                      f"yet; set parallel.{name}=1")
@@ -71,7 +72,6 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(world_size % model_parallel == 0,
           f"world size {world_size} is not divisible by parallel.tensor*pipeline*context={model_parallel}; "
           f"launch a multiple of {model_parallel} processes")
-    validate_model(cfg.model, p.tensor, p.expert)
 
     o = cfg.optim
     _need(o.name in ("adamw", "muon"), f"optim.name={o.name!r}: use adamw or muon")
