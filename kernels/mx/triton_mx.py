@@ -181,11 +181,17 @@ def _max_mant(fmt: ElemFormat) -> int:
     return int(torch.tensor(fmt.max_value, dtype=torch.float32).view(torch.int32)) & 0x7FFFFF
 
 
-def _launch_cfg(x: torch.Tensor):
+# (blocks of 32 per program, warps) on GPU; benchmarks/mx.py --sweep tunes these.
+GPU_CONFIG = {"quantize": (64, 4), "dequantize": (64, 4)}
+
+
+def _launch_cfg(x: torch.Tensor, op: str):
     _check_device(x)
     interpret = not x.is_cuda
-    # big programs keep the interpreter fast; 64 blocks = 2048 elements on GPU
-    return interpret, (256 if interpret else 64), 4
+    if interpret:  # big programs keep the interpreter fast
+        return True, 256, 4
+    bb, warps = GPU_CONFIG[op]
+    return False, bb, warps
 
 
 def quantize(x: torch.Tensor, fmt: ElemFormat, rule: str, fake: bool = False):
@@ -200,7 +206,7 @@ def quantize(x: torch.Tensor, fmt: ElemFormat, rule: str, fake: bool = False):
                           device=x.device)
         scale = torch.empty(*x.shape[:-1], k // BLOCK, dtype=torch.uint8, device=x.device)
     if n_blocks:
-        interpret, bb, warps = _launch_cfg(x)
+        interpret, bb, warps = _launch_cfg(x, "quantize")
         kern = _kernel("quantize")
         grid = (triton.cdiv(n_blocks, bb),)
         kern[grid](x, out, scale, n_blocks,
@@ -219,7 +225,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, k: int
     out = torch.empty(*scale.shape[:-1], k, dtype=dtype, device=codes.device)
     n_blocks = scale.numel()
     if n_blocks:
-        interpret, bb, warps = _launch_cfg(codes)
+        interpret, bb, warps = _launch_cfg(codes, "dequantize")
         kern = _kernel("dequantize")
         inf_code = fmt.max_code + 1 if fmt.has_inf else -1
         grid = (triton.cdiv(n_blocks, bb),)
