@@ -59,8 +59,11 @@ def resolve_data(cfg, vocab_size: int) -> ResolvedData:
     if not paths:
         if weights:
             raise ValueError("data.weights is set but data.paths is empty; give one weight per path")
+        if cfg.tokenizer:
+            raise ValueError("data.tokenizer is set but data.paths is empty: the default corpus comes with its "
+                             "own tokenizer; unset data.tokenizer, or set data.paths to data made with it")
         prefix, tok = ensure_default_dataset(cfg.cache_dir, vocab_size)
-        return ResolvedData([prefix], None, os.path.expanduser(str(cfg.tokenizer)) if cfg.tokenizer else tok)
+        return ResolvedData([prefix], None, tok)
     check_dataset_files(paths)
     tok = os.path.expanduser(str(cfg.tokenizer)) if cfg.tokenizer else default_tokenizer_path(paths[0])
     if not cfg.tokenizer and not os.path.isfile(tok):
@@ -99,6 +102,19 @@ def _check_meta(prefix: str, tokenizer: K3Tokenizer) -> None:
     if fp and fp != tokenizer.fingerprint:
         warnings.warn(f"dataset {prefix} was tokenized with a different tokenizer.json than {tokenizer.path}",
                       stacklevel=3)
+
+
+def parse_split(split) -> list[float]:
+    """Validate ``data.split`` ("train,valid,test" weights, e.g. "98,2,0")."""
+    parts = [p.strip() for p in str(split).split(",")]
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        vals = []
+    if not 1 <= len(vals) <= 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
+        raise ValueError(f"data.split={split!r} must be up to 3 non-negative comma-separated weights "
+                         f"(train,valid,test) with a positive sum, e.g. data.split=98,2,0")
+    return vals + [0.0] * (3 - len(vals))
 
 
 def _split_doc_counts(num_docs: int, split_matrix) -> list[int]:
@@ -155,6 +171,7 @@ def build_datasets(cfg, seq_len: int, num_train_samples: int, num_valid_samples:
     for p in paths:
         _check_meta(p, tokenizer)
 
+    parse_split(cfg.split)
     cache_root = os.path.join(resolve_cache_dir(cfg.cache_dir), "index_cache")
     config = GPTDatasetConfig(
         random_seed=int(cfg.seed),
@@ -170,18 +187,6 @@ def build_datasets(cfg, seq_len: int, num_train_samples: int, num_valid_samples:
         mmap_bin_files=True,
         num_dataset_builder_threads=1,
     )
-
-    want = [num_train_samples, num_valid_samples, 0]
-    for p in paths:
-        n_docs = IndexedDataset(p).sequence_lengths.shape[0]
-        for name, n, share, req in zip(("train", "valid"), _split_doc_counts(n_docs, config.split_matrix),
-                                       config.split_matrix, want):
-            if share is not None and req > 0 and n == 0:
-                raise ValueError(f"the {name} split of {p} is empty: data.split={cfg.split} over {n_docs} "
-                                 f"documents; use more documents or a larger {name} share")
-    if config.split_matrix[0] is None:
-        raise ValueError(f"data.split={cfg.split} gives training no share")
-
     config.k3_index_cache_root = cache_root
     sizes = [int(num_train_samples), max(int(num_valid_samples), 0), 0]
     rank_fn = is_built_on_rank or (lambda: True)
@@ -190,6 +195,16 @@ def build_datasets(cfg, seq_len: int, num_train_samples: int, num_valid_samples:
     if level == logging.NOTSET:
         mlog.setLevel(logging.WARNING)
     try:
+        if config.split_matrix[0] is None:
+            raise ValueError(f"data.split={cfg.split} gives training no share")
+        want = [num_train_samples, num_valid_samples, 0]
+        for p in paths:
+            n_docs = IndexedDataset(p).sequence_lengths.shape[0]
+            for name, n, share, req in zip(("train", "valid"), _split_doc_counts(n_docs, config.split_matrix),
+                                           config.split_matrix, want):
+                if share is not None and req > 0 and n == 0:
+                    raise ValueError(f"the {name} split of {p} is empty: data.split={cfg.split} over {n_docs} "
+                                     f"documents; use more documents or a larger {name} share")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*pad token id.*")
             train_ds, valid_ds, _ = BlendedMegatronDatasetBuilder(K3GPTDataset, sizes, rank_fn, config).build()

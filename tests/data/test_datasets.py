@@ -144,6 +144,14 @@ def test_missing_files_and_bad_config(tmp_path, rng, tiny_tokenizer, write_synth
         build_datasets(_cfg(tmp_path, [prefix, prefix], weights=[1.0]), 16, 10, 2, tiny_tokenizer)
     with pytest.raises(ValueError, match="valid split .* is empty"):
         build_datasets(_cfg(tmp_path, [prefix], split="99,1,0"), 16, 10, 2, tiny_tokenizer)
+    for bad in ("abc", "1,2,3,4", "0,0,0", "-1,2"):
+        with pytest.raises(ValueError, match="data.split="):
+            build_datasets(_cfg(tmp_path, [prefix], split=bad), 16, 10, 2, tiny_tokenizer)
+    with pytest.raises(ValueError, match="gives training no share"):
+        build_datasets(_cfg(tmp_path, [prefix], split="0,1,0"), 16, 10, 2, tiny_tokenizer)
+    # a tokenizer without data paths would not match the default corpus
+    with pytest.raises(ValueError, match="data.tokenizer is set but data.paths is empty"):
+        resolve_data(DataConfig(tokenizer=tiny_tokenizer.path, cache_dir=str(tmp_path)), 512)
     # no tokenizer next to a dataset made elsewhere
     with pytest.raises(FileNotFoundError, match="data.tokenizer"):
         resolve_data(_cfg(tmp_path, [prefix]), 512)
