@@ -11,7 +11,7 @@
 #                       Installing torch first stops pip from pulling a multi-GB CUDA build of a bare
 #                       "torch" requirement on CPU machines.
 #   K3_TORCH_INDEX_URL  extra index for that torch install, e.g. https://download.pytorch.org/whl/cpu
-#   K3_EXTRAS           extras of k3train to install       (default: dev)
+#   K3_EXTRAS           extras of k3train to install       (default: dev; empty for none)
 #   K3_FORCE=1          reinstall even when the stamp matches
 #   K3_DRY_RUN=1        print what would be done, change nothing
 set -euo pipefail
@@ -19,7 +19,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$REPO/.venv}"
 K3_TORCH_SPEC="${K3_TORCH_SPEC:-torch==2.13.0}"
-K3_EXTRAS="${K3_EXTRAS:-dev}"
+K3_EXTRAS="${K3_EXTRAS-dev}"
 STAMP="$VENV/.k3train-setup.stamp"
 
 say() { echo "[setup_env] $*"; }
@@ -74,7 +74,8 @@ else
 fi
 
 # 4. k3train itself, editable, with its extras.
-run "$VPY" -m pip install -e "$REPO[$K3_EXTRAS]"
+if [ -n "$K3_EXTRAS" ]; then TARGET="$REPO[$K3_EXTRAS]"; else TARGET="$REPO"; fi
+run "$VPY" -m pip install -e "$TARGET"
 
 if [ "${K3_DRY_RUN:-0}" != 1 ]; then
     (cd / && "$VPY" -c "$CHECK") || { echo "setup_env: error: k3train, torch, megatron-core or hydra is not importable after the install" >&2; exit 1; }

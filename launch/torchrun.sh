@@ -52,5 +52,7 @@ if [ "${K3_DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${cmd[@]}"; echo
     exit 0
 fi
-cd "$REPO"
+# Relative paths in the overrides stay relative to the caller's folder; the repo goes on
+# PYTHONPATH so that the trainer is importable even without an installed k3train.
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 exec "${cmd[@]}"
