@@ -127,6 +127,17 @@ def _split_doc_counts(num_docs: int, split_matrix) -> list[int]:
     return out
 
 
+def _default_prefix_for(cfg, tokenizer: K3Tokenizer) -> str:
+    """The dataset for an empty ``data.paths``: the one this tokenizer was written beside
+    (resolve_data's default corpus), else the default corpus at this tokenizer's vocab size."""
+    suffix = ".tokenizer.json"
+    if tokenizer.path and tokenizer.path.endswith(suffix):
+        prefix = tokenizer.path[: -len(suffix)]
+        if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
+            return prefix
+    return ensure_default_dataset(cfg.cache_dir, tokenizer.vocab_size)[0]
+
+
 def build_datasets(cfg, seq_len: int, num_train_samples: int, num_valid_samples: int,
                    tokenizer: K3Tokenizer, *, paths: Optional[Sequence[str]] = None,
                    weights: Optional[Sequence[float]] = None,
@@ -134,7 +145,8 @@ def build_datasets(cfg, seq_len: int, num_train_samples: int, num_valid_samples:
     """Build ``(train_ds, valid_ds)`` from a ``DataConfig``.
 
     ``paths``/``weights`` override ``cfg.paths``/``cfg.weights``. With neither, the
-    default corpus is used (built if needed, with ``tokenizer.vocab_size``). Each dataset item is a
+    dataset written beside the tokenizer is used (``resolve_data``'s default corpus),
+    else the default corpus is built with ``tokenizer.vocab_size``. Each dataset item is a
     dict of 1-D tensors ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of
     length ``seq_len`` (blended datasets add ``dataset_id``). ``valid_ds`` is None when
     the split gives validation no share or ``num_valid_samples`` is 0. Must be called
@@ -155,8 +167,7 @@ def build_datasets(cfg, seq_len: int, num_train_samples: int, num_valid_samples:
     if not paths:
         if weights:
             raise ValueError("data.weights is set but data.paths is empty; give one weight per path")
-        # The default corpus, built with this tokenizer's vocab size (idempotent).
-        paths = [ensure_default_dataset(cfg.cache_dir, tokenizer.vocab_size)[0]]
+        paths = [_default_prefix_for(cfg, tokenizer)]
     if weights is not None:
         if len(weights) != len(paths):
             raise ValueError(f"data.weights has {len(weights)} entries but data.paths has {len(paths)}; "

@@ -66,6 +66,8 @@ def test_resolve_data_uses_the_default_corpus(tmp_path, monkeypatch):
     # build_datasets on an empty data.paths finds the same default dataset by itself
     train2, _ = build_datasets(cfg, 64, 16, 4, tok)
     assert train2[0]["tokens"].tolist() == train[0]["tokens"].tolist()
+    built = [d for d in os.listdir(tmp_path / "envcache" / "default_corpus") if not d.startswith(".")]
+    assert len(built) == 1
 
 
 def test_vocab_too_small(tmp_path):
