@@ -30,14 +30,20 @@ def main(raw: DictConfig) -> None:
     try:
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     except ConfigError as err:
-        sys.exit(f"config error: {err}")
+        sys.exit(f"k3train: config error: {err}")
 
     from k3train.parallel.state import destroy_parallel
+    from k3train.training.checkpoint import CheckpointError
     from k3train.training.loop import Trainer
 
-    trainer = Trainer(cfg)
+    # Errors from the user's data or checkpoints print one line (K3TRAIN_TRACEBACK=1 shows the
+    # traceback); anything else is a bug and keeps its traceback.
     try:
-        trainer.fit()
+        Trainer(cfg).fit()
+    except (CheckpointError, FileNotFoundError, ValueError, FloatingPointError) as err:
+        if os.environ.get("K3TRAIN_TRACEBACK") == "1":
+            raise
+        sys.exit(f"k3train: error: {err}")
     finally:
         destroy_parallel()
 

@@ -9,4 +9,7 @@ if _here not in sys.path:
 os.environ.setdefault("PYTHONPATH", "")
 if _here not in os.environ["PYTHONPATH"].split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_here, os.environ["PYTHONPATH"]) if p)
+# No GPU: Triton kernels run under the interpreter (must be set before triton is imported).
+if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

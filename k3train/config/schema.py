@@ -128,7 +128,9 @@ class PrecisionConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
+    steps: int = 200  # total optimizer steps of the run (the LR schedule spans these)
+    # Leave after this many steps in this process, with a checkpoint (SLURM time slices); 0 = never.
+    exit_after_steps: int = 0
     global_batch_size: int = 16
     micro_batch_size: int = 4
     seed: int = 1234

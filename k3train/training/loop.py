@@ -178,8 +178,9 @@ class Trainer:
     def fit(self) -> list[dict]:
         t = self.cfg.train
         history = []
+        last = t.steps if not t.exit_after_steps else min(t.steps, self.step + t.exit_after_steps)
         try:
-            while self.step < t.steps:
+            while self.step < last:
                 record = self.train_step()
                 self.step += 1
                 if not math.isfinite(record["loss"]):
@@ -192,7 +193,7 @@ class Trainer:
                     val = {"kind": "eval", "step": self.step, "val_loss": self.evaluate()}
                     history.append(val)
                     self.logger.log(val)
-                if t.save_every and (self.step % t.save_every == 0 or self.step == t.steps):
+                if (t.save_every and self.step % t.save_every == 0) or self.step == last:
                     self.save()
         finally:
             self.logger.close()

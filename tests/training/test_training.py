@@ -1,0 +1,122 @@
+"""End-to-end CPU runs of ``python -m k3train.train`` on k3_tiny and the embedded corpus.
+
+- 20 straight steps equal 10 steps, a resume, and 10 more: losses and final weights, bit-exact;
+- the loss falls;
+- bad input gives a one-line error and leaves earlier checkpoints intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["model=k3_tiny", "train.device=cpu", "data.seq_len=64", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "train.eval_every=0", "logging.wandb=false", "logging.console=false",
+        "optim.lr=3e-3"]
+
+
+def train(out_dir: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "k3train.train", *FAST, f"train.out_dir={out_dir}", *overrides],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+def checkpoint_tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{ckpt.parent.parent.name}_{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if torch.is_tensor(v)}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    train(out, "train.steps=20", "train.save_every=20", "train.log_every=1")
+    return out
+
+
+def test_resume_is_bit_exact(straight, tmp_path):
+    resumed = tmp_path / "resumed"
+    train(resumed, "train.steps=20", "train.exit_after_steps=10", "train.save_every=0", "train.log_every=1")
+    proc = train(resumed, "train.steps=20", "train.save_every=10", "train.log_every=1", "logging.console=true")
+    assert "resumed from" in proc.stdout
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == list(range(1, 21))
+    for step in range(1, 21):
+        assert a[step] == b[step], (step, a[step], b[step])
+    ta = checkpoint_tensors(straight / "checkpoints" / "step_00000020", tmp_path)
+    tb = checkpoint_tensors(resumed / "checkpoints" / "step_00000020", tmp_path)
+    assert set(ta) == set(tb) and any(k.startswith("optim.") for k in ta)
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+def test_loss_falls_and_outputs_are_written(straight):
+    l = losses(straight)
+    first, last = sum(l[s] for s in range(1, 4)) / 3, sum(l[s] for s in range(18, 21)) / 3
+    assert first > 6.0 and last < first - 0.5, (first, last)
+    row = json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_mem_gb", "expert_load_max_over_mean"):
+        assert row[key] is not None, key
+    assert (straight / "checkpoints" / "latest").read_text().strip() == "step_00000020"
+    assert (straight / ".hydra" / "config.yaml").exists()
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith("k3train:"), proc.stderr[-2000:]
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+@pytest.mark.parametrize("override,needles", [
+    ("model.attn_res_block_size=0", ["model.attn_res_block_size"]),
+    ("model.num_experts_per_token=9", ["model.num_experts_per_token", "model.num_experts"]),
+    ("model.full_attn_layers=[3,6,9]", ["model.full_attn_layers", "[4, 8, 9]"]),
+    ("parallel.tensor=2", ["parallel.tensor"]),
+])
+def test_bad_config_is_one_line_error(tmp_path, override, needles):
+    _one_line_error(train(tmp_path, "train.steps=1", override, check=False), *needles)
+
+
+def test_missing_dataset_is_one_line_error(tmp_path):
+    _one_line_error(train(tmp_path, "train.steps=1", f"data.paths=[{tmp_path}/nope]", check=False), "nope")
+
+
+def test_vocab_smaller_than_tokenizer_is_one_line_error(tmp_path):
+    from k3train.config.schema import DataConfig
+    from k3train.data.datasets import resolve_data
+
+    data = resolve_data(DataConfig(cache_dir=os.path.expanduser("~/.cache/k3train")), 512)
+    proc = train(tmp_path, "train.steps=1", "model.vocab_size=256", f"data.paths=[{data.paths[0]}]",
+                 f"data.tokenizer={data.tokenizer_path}", check=False)
+    _one_line_error(proc, "model.vocab_size")
+
+
+def test_checkpoint_from_other_model_config_is_refused_and_kept(tmp_path):
+    run = tmp_path / "run"
+    train(run, "train.steps=2", "train.save_every=2")
+    before = sorted(p.name for p in (run / "checkpoints" / "step_00000002").iterdir())
+    proc = train(run, "train.steps=4", "model.dense_intermediate_size=128", check=False)
+    _one_line_error(proc, "dense_intermediate_size", "different model config")
+    assert sorted(p.name for p in (run / "checkpoints" / "step_00000002").iterdir()) == before
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
