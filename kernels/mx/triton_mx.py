@@ -51,8 +51,10 @@ def _mx_quantize_kernel(
     FAKE: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rmask = rows < n_blocks
+    first = pid.to(tl.int64) * BLOCK_B  # 64-bit base once, 32-bit offsets per element
+    x_ptr += first * 32
+    rows = tl.arange(0, BLOCK_B)
+    rmask = rows < n_blocks - first
     cols = tl.arange(0, 32)
     offs = rows[:, None] * 32 + cols[None, :]
     xin = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
@@ -102,7 +104,7 @@ def _mx_quantize_kernel(
         val = mint.to(tl.float32) * p2.to(tl.float32, bitcast=True)
         val = tl.where(neg, -val, val)
         val = tl.where(nonfinite[:, None], float("nan"), val)
-        tl.store(out_ptr + offs, _round_out(val, OUT_BF16), mask=rmask[:, None])
+        tl.store(out_ptr + first * 32 + offs, _round_out(val, OUT_BF16), mask=rmask[:, None])
     else:
         code = code | (neg.to(tl.int32) << SIGN_SHIFT)
         if PACK:
@@ -110,11 +112,11 @@ def _mx_quantize_kernel(
             lo, hi = tl.split(pairs)
             byte = (lo | (hi << 4)).to(tl.uint8)
             poffs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
-            tl.store(out_ptr + poffs, byte, mask=rmask[:, None])
+            tl.store(out_ptr + first * 16 + poffs, byte, mask=rmask[:, None])
         else:
-            tl.store(out_ptr + offs, code.to(tl.uint8), mask=rmask[:, None])
+            tl.store(out_ptr + first * 32 + offs, code.to(tl.uint8), mask=rmask[:, None])
         sbyte = tl.where(nonfinite, 255, k + 127).to(tl.uint8)
-        tl.store(scale_ptr + rows, sbyte, mask=rmask)
+        tl.store(scale_ptr + first + rows, sbyte, mask=rmask)
 
 
 def _mx_dequantize_kernel(
@@ -123,15 +125,20 @@ def _mx_dequantize_kernel(
     SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rmask = rows < n_blocks
+    first = pid.to(tl.int64) * BLOCK_B
+    rows = tl.arange(0, BLOCK_B)
+    rmask = rows < n_blocks - first
     cols = tl.arange(0, 32)
     offs = rows[:, None] * 32 + cols[None, :]
+    out_ptr += first * 32
+    scale_ptr += first
     if PACK:
+        data_ptr += first * 16
         poffs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
         byte = tl.load(data_ptr + poffs, mask=rmask[:, None], other=0).to(tl.int32)
         code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_B, 32))
     else:
+        data_ptr += first * 32
         code = tl.load(data_ptr + offs, mask=rmask[:, None], other=0).to(tl.int32)
     s = tl.load(scale_ptr + rows, mask=rmask, other=127).to(tl.int32)
     k = s - 127
