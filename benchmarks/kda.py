@@ -225,6 +225,8 @@ def main():
             rows.append(row)
         del inputs, do
         torch.cuda.empty_cache()
+        with open(args.json, "w") as fh:  # incremental, in case the run is cut short
+            json.dump(dict(info=info, rows=rows, checks=checks, sweep=sweep_rows), fh, indent=1)
     by = {(r["shape"], r["impl"]): r for r in rows}
     for r in rows:
         if r["impl"] == "ours" and (r["shape"], "fla") in by:

@@ -48,8 +48,9 @@ CONFIG = {
     "fwd_stages": 2,
     "bwd_h_warps": 4,
     "bwd_h_stages": 2,
-    "bwd_bv": 64,         # V tile looped over inside the parallel backward kernel
+    "bwd_bv": 32,         # V tile looped over inside the parallel backward kernel
     "bwd_warps": 8,
+    "bwd_bke": 16,            # key-channel block of the backward epilogue
     "inv_prec": "ieee",       # (I + A)^-1 merges and -X^T dX X^T: plain fp32 FMA
     "grad_prec": "tf32x3",    # intra-chunk backward dots feeding dg: fp32 operands,
                               # 3-pass tf32 (~fp32); "bf16" = one bf16 tensor-core pass
@@ -108,10 +109,10 @@ def _tri_inverse(A, r, C: tl.constexpr, INV_PREC: tl.constexpr):
         row = -tl.reduce(a_i[:, None] * Y, 0, _sum_combine)
         Y = tl.where(sel[:, None] & blk8, tl.where(diag, 1., row[None, :]), Y)
     blk16 = (r[:, None] // 16) == (r[None, :] // 16)
-    A1 = tl.where(blk16 & (~blk8), A, 0.)
+    A1 = tl.where(blk16 & ((r[:, None] // 8) != (r[None, :] // 8)), A, 0.)
     Y = Y - tl.dot(tl.dot(Y, A1, input_precision=INV_PREC), Y, input_precision=INV_PREC)
     if C > 16:
-        A2 = tl.where(~blk16, A, 0.)
+        A2 = tl.where((r[:, None] // 16) != (r[None, :] // 16), A, 0.)
         Y = Y - tl.dot(tl.dot(Y, A2, input_precision=INV_PREC), Y, input_precision=INV_PREC)
     return Y
 
@@ -278,12 +279,16 @@ def kda_bwd_h_kernel(Wk, Qd, Ke, Mqk, GL, dht, do, dh, dW, dh0,
 def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
                    chunk_seq, chunk_bos, cu,
                    Wk, U, Xinv, h, dh, dW, do,
-                   dq, dk, dv, dg, dbeta, dA_part, ddt_part,
+                   dq, dk, dv, dg, dbeta, dA_part, ddt_part, scr,
                    lower_bound, scale,
                    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, BKE: tl.constexpr, USE_L2: tl.constexpr,
                    DT: tl.constexpr, GP: tl.constexpr, GPREC: tl.constexpr,
                    INV_PREC: tl.constexpr):
+    """Per-chunk backward.  Phase 1 contracts over V with full-K tiles; phase 2 walks the
+    key channels in blocks of BKE (everything there is per-channel except three row/C x C
+    sums, accumulated), so few C x K tensors are ever live; the V-phase accumulators and
+    the pre-L2-norm gradients pass through a per-program fp32 scratch (L2-resident)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
@@ -293,16 +298,14 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
     rv = r < ln
-    km = ck < K
     tok = (bos + r).to(tl.int64)
     base = (i_c * H + i_h).to(tl.int64)
     occ = base * (C * C) + r[:, None] * C + r[None, :]
     okc = base * (C * BK) + r[:, None] * BK + ck[None, :]
-    # ---- phase 1: contractions over V (only k e^G, T and Wk are needed here)
+    # ---- phase 1: contractions over V (needs k e^G, T, Wk with full K)
     qs, kn, x, sig, gate, bb, rq, rk, qn, a = _load_chunk_inputs(
         q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
-    G = tl.associative_scan(gate, 0, _sum_combine)
-    KdD = (kn * tl.exp(G)).to(DT)
+    KdD = (kn * tl.exp(tl.associative_scan(gate, 0, _sum_combine))).to(DT)
     X = tl.load(Xinv + occ)
     TmD = (X * bb[None, :]).to(DT)
     bWk = tl.load(Wk + okc).to(DT)
@@ -336,67 +339,104 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         R = bv - tl.dot(KdD, S0)
         dT += tl.dot(bdW, tl.trans(R.to(DT)))
         dKd -= tl.dot(dR.to(DT), tl.trans(S0))
-    # ---- phase 2: reload / recompute the chunk's factors (short live ranges)
-    qs, kn, x, sig, gate, bb, rq, rk, qn, a = _load_chunk_inputs(
-        q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
-    G = tl.associative_scan(gate, 0, _sum_combine)
-    g_ref = tl.reduce(tl.where(r[:, None] == (C // 2 - 1), G, 0.), 0, _sum_combine)
-    g_last = tl.reduce(tl.where(r[:, None] == (C - 1), G, 0.), 0, _sum_combine)
+    sbase = base * ((3 * C + 1) * BK)
+    so = r[:, None] * BK + ck[None, :]
+    tl.store(scr + sbase + so, dQd)
+    tl.store(scr + sbase + C * BK + so, dKd)
+    tl.store(scr + sbase + 2 * C * BK + so, dKe)
+    tl.store(scr + sbase + 3 * C * BK + ck, dgl)
+    # ---- C x C part: T = X diag(beta), X = (I + A)^-1
     incl = r[:, None] >= r[None, :]
     strict = r[:, None] > r[None, :]
-    # T = X diag(beta), X = (I + A)^-1:  dX = dT diag(beta), dA = strict(-X^T dX X^T)
     dbv = tl.reduce(dT * X, 0, _sum_combine)
     dX = dT * bb[None, :]
     dL = -tl.dot(tl.dot(tl.trans(X), dX, input_precision=INV_PREC), tl.trans(X),
                  input_precision=INV_PREC)
     dA = tl.where(strict, dL, 0.)
-    dM = tl.where(incl, dM, 0.)
-    # intra-chunk factors through the middle reference point (each <= e^80)
-    e_in = tl.exp(G - g_ref[None, :])
-    e_out = tl.exp(g_ref[None, :] - G)
-    Ki = (kn * e_in).to(GP)
-    Kh = (kn * e_out).to(GP)
-    Qi = (qs * e_in).to(GP)
-    Gm = tl.where(strict, tl.dot(Ki, tl.trans(Kh), input_precision=GPREC), 0.)
-    dbv += tl.reduce(dA * Gm, 1, _sum_combine)
+    dMG = tl.where(incl, dM, 0.).to(GP)
     dAb = (dA * bb[:, None]).to(GP)
-    dMG = dM.to(GP)
-    dQi = tl.dot(dMG, Kh, input_precision=GPREC)
-    dKi = tl.dot(dAb, Kh, input_precision=GPREC)
-    dKh = tl.dot(tl.trans(dMG), Qi, input_precision=GPREC) + \
-        tl.dot(tl.trans(dAb), Ki, input_precision=GPREC)
-    dqs = dQi * e_in
-    dkn = dKi * e_in + dKh * e_out
-    dG = dQi * Qi.to(tl.float32) + dKi * Ki.to(tl.float32) - dKh * Kh.to(tl.float32)
-    e_G = tl.exp(G)
-    dqs += dQd * e_G
-    dkn += dKd * e_G
-    dG += (dQd * qs + dKd * kn) * e_G
-    e_E = tl.exp(g_last[None, :] - G)
-    dkn += dKe * e_E
-    dKeKe = dKe * kn * e_E
-    dG -= dKeKe
-    dgC = tl.reduce(dKeKe, 0, _sum_combine) + tl.exp(g_last) * dgl
-    dG += tl.where(r[:, None] == C - 1, dgC[None, :], 0.)
-    dgate = tl.reduce(dG, 0, _sum_combine)[None, :] - tl.associative_scan(dG, 0, _sum_combine) + dG
-    m2k = rv[:, None] & km[None, :]
-    dx = tl.where(m2k, dgate * (lower_bound * sig) * (1. - sig), 0.)
-    dgr = dx * a
-    tk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-    tl.store(dg + tk, dgr.to(dg.dtype.element_ty), mask=m2k)
-    tl.store(dA_part + base, tl.reduce(tl.reduce(dx * x, 1, _sum_combine), 0, _sum_combine))
-    tl.store(ddt_part + base * BK + ck, tl.reduce(dgr, 0, _sum_combine))
+    tl.debug_barrier()
+    # ---- phase 2: per key-channel block
+    ae = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    Gm = tl.zeros([C, C], dtype=tl.float32)
+    sq = tl.zeros([C], dtype=tl.float32)
+    sk = tl.zeros([C], dtype=tl.float32)
+    dAl = tl.zeros([C], dtype=tl.float32)
+    for kb in range(0, BK // BKE):
+        ce = kb * BKE + tl.arange(0, BKE)
+        km = ce < K
+        m2k = rv[:, None] & km[None, :]
+        tk = tok[:, None] * (H * K) + i_h * K + ce[None, :]
+        bq = tl.load(q + tk, mask=m2k, other=0.).to(tl.float32)
+        bk_ = tl.load(k + tk, mask=m2k, other=0.).to(tl.float32)
+        bg = tl.load(g + tk, mask=m2k, other=0.).to(tl.float32)
+        dtb = tl.load(dt_bias + i_h * K + ce, mask=km, other=0.).to(tl.float32)
+        xe = ae * (bg + dtb[None, :])
+        sg = 1. / (1. + tl.exp(-xe))
+        G = tl.associative_scan(tl.where(m2k, lower_bound * sg, 0.), 0, _sum_combine)
+        g_ref = tl.reduce(tl.where(r[:, None] == (C // 2 - 1), G, 0.), 0, _sum_combine)
+        g_last = tl.reduce(tl.where(r[:, None] == (C - 1), G, 0.), 0, _sum_combine)
+        qb = bq * (rq * scale)[:, None]
+        kb_ = bk_ * rk[:, None]
+        e_in = tl.exp(G - g_ref[None, :])
+        e_out = tl.exp(g_ref[None, :] - G)
+        Ki = (kb_ * e_in).to(GP)
+        Kh = (kb_ * e_out).to(GP)
+        Qi = (qb * e_in).to(GP)
+        Gm += tl.dot(Ki, tl.trans(Kh), input_precision=GPREC)
+        dQi = tl.dot(dMG, Kh, input_precision=GPREC)
+        dKi = tl.dot(dAb, Kh, input_precision=GPREC)
+        dKh = tl.dot(tl.trans(dMG), Qi, input_precision=GPREC) + \
+            tl.dot(tl.trans(dAb), Ki, input_precision=GPREC)
+        dqs = dQi * e_in
+        dkn = dKi * e_in + dKh * e_out
+        dG = dQi * Qi.to(tl.float32) + dKi * Ki.to(tl.float32) - dKh * Kh.to(tl.float32)
+        sob = r[:, None] * BK + ce[None, :]
+        bdQd = tl.load(scr + sbase + sob)
+        bdKd = tl.load(scr + sbase + C * BK + sob)
+        bdKe = tl.load(scr + sbase + 2 * C * BK + sob)
+        e_G = tl.exp(G)
+        dqs += bdQd * e_G
+        dkn += bdKd * e_G
+        dG += (bdQd * qb + bdKd * kb_) * e_G
+        e_E = tl.exp(g_last[None, :] - G)
+        dkn += bdKe * e_E
+        dKeKe = bdKe * kb_ * e_E
+        dG -= dKeKe
+        dgC = tl.reduce(dKeKe, 0, _sum_combine) + \
+            tl.exp(g_last) * tl.load(scr + sbase + 3 * C * BK + ce)
+        dG += tl.where(r[:, None] == C - 1, dgC[None, :], 0.)
+        dgate = tl.reduce(dG, 0, _sum_combine)[None, :] - tl.associative_scan(dG, 0, _sum_combine) + dG
+        dx = tl.where(m2k, dgate * (lower_bound * sg) * (1. - sg), 0.)
+        dgr = dx * ae
+        tl.store(dg + tk, dgr.to(dg.dtype.element_ty), mask=m2k)
+        dAl += tl.reduce(dx * xe, 1, _sum_combine)
+        tl.store(ddt_part + base * BK + ce, tl.reduce(dgr, 0, _sum_combine))
+        dqn = dqs * scale
+        sq += tl.reduce(bq * rq[:, None] * dqn, 1, _sum_combine)
+        sk += tl.reduce(kb_ * dkn, 1, _sum_combine)
+        tl.store(scr + sbase + sob, dqn)
+        tl.store(scr + sbase + C * BK + sob, dkn)
+    tl.store(dA_part + base, tl.reduce(dAl, 0, _sum_combine))
+    dbv += tl.reduce(dA * tl.where(strict, Gm, 0.), 1, _sum_combine)
     tl.store(dbeta + tok * H + i_h, (dbv * bb * (1. - bb)).to(dbeta.dtype.element_ty), mask=rv)
-    # L2 norm backward (qs = scale * qn, qn = q * rq)
-    dqn = dqs * scale
-    if USE_L2:
-        dqr = (dqn - qn * tl.reduce(qn * dqn, 1, _sum_combine)[:, None]) * rq[:, None]
-        dkr = (dkn - kn * tl.reduce(kn * dkn, 1, _sum_combine)[:, None]) * rk[:, None]
-    else:
-        dqr = dqn
-        dkr = dkn
-    tl.store(dq + tk, dqr.to(dq.dtype.element_ty), mask=m2k)
-    tl.store(dk + tk, dkr.to(dk.dtype.element_ty), mask=m2k)
+    tl.debug_barrier()
+    # ---- phase 3: L2-norm backward, dx = (dy - y (y . dy)) / |x|
+    for kb in range(0, BK // BKE):
+        ce = kb * BKE + tl.arange(0, BKE)
+        km = ce < K
+        m2k = rv[:, None] & km[None, :]
+        tk = tok[:, None] * (H * K) + i_h * K + ce[None, :]
+        sob = r[:, None] * BK + ce[None, :]
+        dqn = tl.load(scr + sbase + sob)
+        dkn = tl.load(scr + sbase + C * BK + sob)
+        if USE_L2:
+            qy = tl.load(q + tk, mask=m2k, other=0.).to(tl.float32) * rq[:, None]
+            ky = tl.load(k + tk, mask=m2k, other=0.).to(tl.float32) * rk[:, None]
+            dqn = (dqn - qy * sq[:, None]) * rq[:, None]
+            dkn = (dkn - ky * sk[:, None]) * rk[:, None]
+        tl.store(dq + tk, dqn.to(dq.dtype.element_ty), mask=m2k)
+        tl.store(dk + tk, dkn.to(dk.dtype.element_ty), mask=m2k)
 
 
 # --------------------------------------------------------------------------------------
@@ -513,11 +553,13 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     db = torch.empty_like(beta)
     dA_part = torch.empty(NC, H, device=dev, dtype=torch.float32)
     ddt_part = torch.empty(NC, H, BK, device=dev, dtype=torch.float32)
+    scr = torch.empty(NC, H, 3 * C + 1, BK, device=dev, dtype=torch.float32)
+    BKE = min(CONFIG["bwd_bke"], BK)
     kda_bwd_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
                             Wk, U, X, hs, dhs, dW, do,
-                            dq, dk, dv, dg, db, dA_part, ddt_part,
+                            dq, dk, dv, dg, db, dA_part, ddt_part, scr,
                             float(lower_bound), float(scale),
-                            H=H, K=K, V=V, C=C, BK=BK, BV=BV, USE_L2=use_l2, DT=DT,
+                            H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, USE_L2=use_l2, DT=DT,
                             GP=GP, GPREC=GPREC, INV_PREC=CONFIG["inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
     dA_log = dA_part.sum(0)

@@ -189,6 +189,7 @@ TRITON_CASES = {
     "oddKV_h0": (2, 33, 1, 20, 12, None, True, True, 0.0, 1.0),
     "saturated_gate": (1, 70, 1, 16, 16, None, True, True, 4.0, 1.0),
     "no_l2": (1, 40, 2, 16, 16, [0, 17, 40], False, False, 0.0, 0.15),
+    "K48_blocks": (1, 36, 1, 48, 16, None, True, True, 0.0, 1.0),  # 2 key blocks, masked tail
 }
 
 
