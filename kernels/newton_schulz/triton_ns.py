@@ -83,7 +83,10 @@ if triton is not None:
                 Bd = Bm
             else:
                 Bd = Bm.to(tl.bfloat16)
-            s = scale_last if step == STEPS - 1 else 1.0
+            if step == STEPS - 1:  # static: step is a constexpr of static_range
+                s = scale_last
+            else:
+                s = 1.0
             for n0 in range(0, N, BN):
                 cols = n0 + rn
                 msk = row_ok[:, None] & (cols[None, :] < N)
