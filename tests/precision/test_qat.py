@@ -109,16 +109,19 @@ def test_expert_gemms_see_quantized_operands():
     assert not torch.allclose(got, full, rtol=1e-3, atol=1e-6)
 
 
-def markov_batches(n_batches, batch, seq, vocab, seed):
-    """Tokens from a fixed sparse Markov chain (learnable: low conditional entropy)."""
+def markov_batches(n_batches, batch, seq, vocab, seed, active=32, fanout=2):
+    """Tokens from a fixed sparse Markov chain over ``active`` of the ``vocab`` ids, each with
+    ``fanout`` equally likely successors: learnable fast (unigram: ln(vocab) -> ln(active)),
+    then slower (bigram: -> ln(fanout))."""
     g = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)  # 4 successors per token
+    ids = torch.randperm(vocab, generator=g)[:active]
+    nxt = ids[torch.randint(0, active, (vocab, fanout), generator=g)]
     out = []
     for _ in range(n_batches):
         t = torch.empty(batch, seq + 1, dtype=torch.long)
-        t[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        t[:, 0] = ids[torch.randint(0, active, (batch,), generator=g)]
         for i in range(seq):
-            t[:, i + 1] = nxt[t[:, i], torch.randint(0, 4, (batch,), generator=g)]
+            t[:, i + 1] = nxt[t[:, i], torch.randint(0, fanout, (batch,), generator=g)]
         out.append(t)
     return out
 
@@ -168,7 +171,7 @@ def test_k3_tiny_qat_training_gap():
     print(f"\nk3_tiny {steps} steps: init {init:.4f}  fp32 eval {ev_fp:.4f}  QAT eval {ev_q:.4f}  "
           f"gap {ev_q - ev_fp:+.4f}")
     assert all(map(lambda v: v == v, l_q)), "QAT loss went NaN"
-    assert ev_fp < init - 0.1 and ev_q < init - 0.1, (init, ev_fp, ev_q)  # both learn
+    assert ev_fp < init - 1.0 and ev_q < init - 1.0, (init, ev_fp, ev_q)  # both learn
     assert abs(ev_q - ev_fp) < 0.02 * ev_fp, (ev_fp, ev_q)  # and QAT stays close
 
 
