@@ -149,3 +149,30 @@ def test_cli_help_runs_as_module():
     r = subprocess.run([sys.executable, "-m", "data_prep.tokenize_corpus", "--help"], capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 0 and "--output-prefix" in r.stdout and "--on-invalid-utf8" in r.stdout
+
+
+def test_gzip_jsonl_and_large_vocab_uses_int32(tmp_path, rng, random_text):
+    import gzip
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    texts = [random_text(rng, rng.randint(3, 20)) for _ in range(12)]
+    path = tmp_path / "c.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    # a word-level tokenizer whose ids go beyond uint16 (like the full K3 vocabulary)
+    vocab = {"<|endoftext|>": 0, "[UNK]": 70_000}
+    for t in texts:
+        for w in t.split():
+            vocab.setdefault(w, 100_000 + len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok_path = tmp_path / "big.json"
+    tk.save(str(tok_path))
+    prefix = str(tmp_path / "big")
+    s = tokenize_corpus([str(path)], prefix, tokenizer=str(tok_path), progress=False)
+    assert s.stats.documents == len(texts) and s.vocab_size > 100_000
+    ds, seqs = _read(prefix)
+    assert ds.index.dtype == np.int32
+    assert [q[:-1].tolist() for q in seqs] == [[vocab[w] for w in t.split()] for t in texts]
