@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -170,6 +171,14 @@ class Trainer:
             losses /= g.dp_size
         return float(losses)
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (so all ranks save and stop together)."""
+        if self.groups.world_size == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     # --- the run -----------------------------------------------------------------------------
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
@@ -179,6 +188,9 @@ class Trainer:
         t = self.cfg.train
         history = []
         last = t.steps if not t.exit_after_steps else min(t.steps, self.step + t.exit_after_steps)
+        # SIGTERM (SLURM preemption, a killed job): finish the step, checkpoint, leave.
+        stop = {"now": False}
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
         try:
             while self.step < last:
                 record = self.train_step()
@@ -193,8 +205,13 @@ class Trainer:
                     val = {"kind": "eval", "step": self.step, "val_loss": self.evaluate()}
                     history.append(val)
                     self.logger.log(val)
-                if (t.save_every and self.step % t.save_every == 0) or self.step == last:
+                stop_now = self._any_rank(stop["now"])
+                if (t.save_every and self.step % t.save_every == 0) or self.step == last or stop_now:
                     self.save()
+                if stop_now:
+                    print(f"SIGTERM: saved step {self.step} and stopped", flush=True)
+                    break
         finally:
+            signal.signal(signal.SIGTERM, previous)
             self.logger.close()
         return history

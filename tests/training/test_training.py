@@ -120,3 +120,23 @@ def test_checkpoint_from_other_model_config_is_refused_and_kept(tmp_path):
     _one_line_error(proc, "dense_intermediate_size", "different model config")
     assert sorted(p.name for p in (run / "checkpoints" / "step_00000002").iterdir()) == before
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "k3train.train", *FAST, f"train.out_dir={tmp_path}",
+                             "train.steps=1000", "train.save_every=0", "train.log_every=1"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    saved = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = int(saved.split("_")[1])
+    assert 2 <= step < 1000 and step == max(losses(tmp_path))
