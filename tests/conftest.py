@@ -1,3 +1,4 @@
+import glob
 import os
 import sys
 import warnings
@@ -10,6 +11,6 @@ os.environ.setdefault("PYTHONPATH", "")
 if _here not in os.environ["PYTHONPATH"].split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_here, os.environ["PYTHONPATH"]) if p)
 # No GPU: Triton kernels run under the interpreter (must be set before triton is imported).
-if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
+if not glob.glob("/dev/nvidia[0-9]*") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
