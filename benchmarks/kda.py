@@ -56,7 +56,8 @@ def make(B, T, H, D, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
 
     def r(*s):
-        return torch.randn(*s, generator=g).to(device=device, dtype=torch.bfloat16)
+        dt = torch.bfloat16 if device == "cuda" else torch.float32
+        return torch.randn(*s, generator=g).to(device=device, dtype=dt)
 
     q, k, v, gg = r(B, T, H, D), r(B, T, H, D), r(B, T, H, D), r(B, T, H, D)
     beta = r(B, T, H)
@@ -97,8 +98,16 @@ def fla_fn():
     return f
 
 
+def _cpu_bench(f, warmup=0, rep=0, grad_to_none=None):
+    t = time.perf_counter()
+    f()
+    return (time.perf_counter() - t) * 1e3
+
+
 def bench_impl(fn, inputs, cu, do):
     from triton.testing import do_bench
+    if inputs[0].device.type == "cpu":  # --device cpu smoke test (interpreter)
+        do_bench = _cpu_bench
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     with torch.no_grad():
         t_fwd = do_bench(lambda: fn(*inputs, cu), warmup=25, rep=100)
@@ -162,8 +171,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="per-kernel times per launch config")
     ap.add_argument("--sweep-shapes", default="8x4096x32x128,1x8192x96x128")
     ap.add_argument("--config", default="", help="json dict overriding chunk.CONFIG")
+    ap.add_argument("--device", default="cuda", help="cpu = smoke test under TRITON_INTERPRET=1")
     args = ap.parse_args()
-    dev = "cuda"
+    dev = args.device
     from kernels.kda import chunk
     if args.config:
         chunk.CONFIG.update(json.loads(args.config))
@@ -174,17 +184,32 @@ def main():
             fla = fla_fn()
         except ImportError as e:
             print(f"!! fla-core not importable ({e}); timing ours only")
-    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    info = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu", torch=torch.__version__,
                 triton=__import__("triton").__version__, config=dict(chunk.CONFIG),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rows, sweep_rows, checks = [], [], []
+    t_start = time.time()
+    print(info, flush=True)
+    hdr = (f"{'shape':<20}{'impl':<6}{'fwd ms':>9}{'f+b ms':>9}{'f+b Mtok/s':>11}"
+           f"{'fwd TF/s':>9}{'f+b TF/s':>9}{'%peak':>6}{'f+b GB/s':>9}{'%bw':>5}"
+           f"{'x fla fwd':>10}{'x fla f+b':>10}")
+
+    def line(r):
+        return (f"{r['shape']:<20}{r['impl']:<6}{r['fwd_ms']:9.3f}{r['fwdbwd_ms']:9.3f}"
+                f"{r['fwdbwd_Mtok_s']:11.2f}{r['fwd_TFLOPs']:9.1f}{r['fwdbwd_TFLOPs']:9.1f}"
+                f"{100 * r['fwdbwd_TFLOPs'] / PEAK_TFLOPS:6.1f}{r['fwdbwd_GBs']:9.0f}"
+                f"{100 * r['fwdbwd_GBs'] / 1e3 / PEAK_TBPS:5.1f}"
+                f"{r.get('fwd_ratio_vs_fla', float('nan')):10.2f}"
+                f"{r.get('fwdbwd_ratio_vs_fla', float('nan')):10.2f}")
+    print(hdr, flush=True)
     for s in args.shapes.split(","):
         B, T, H, D, docs = parse_shape(s)
         inputs = make(B, T, H, D, dev)
         cu = uneven_cu(T, docs, dev)[0] if docs else None
-        do = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+        do = torch.randn(B, T, H, D, device=dev, dtype=inputs[0].dtype)
         fF, fFB = flops(B, T, H, D)
         bF, bFB = io_bytes(B, T, H, D)
+        print(f"[{time.time() - t_start:6.1f}s] shape {s}", flush=True)
         if args.check and fla is not None:
             a = outputs_and_grads(ours, inputs, cu, do)
             b = outputs_and_grads(fla, inputs, cu, do)
@@ -212,6 +237,7 @@ def main():
         for name, fn in (("ours", ours), ("fla", fla)):
             if fn is None:
                 continue
+            print(f"[{time.time() - t_start:6.1f}s] timing {name} {s}", flush=True)
             t_f, t_fb = bench_impl(fn, inputs, cu, do)
             row = dict(shape=s, impl=name, B=B, T=T, H=H, D=D, docs=docs, fwd_ms=t_f,
                        fwdbwd_ms=t_fb, fwd_Mtok_s=B * T / t_f / 1e3,
@@ -223,29 +249,22 @@ def main():
                 print("kernels", s, {k: round(v, 3) for k, v in row["kernels"].items()},
                       flush=True)
             rows.append(row)
+            if name == "fla" and rows[-2]["impl"] == "ours" and rows[-2]["shape"] == s:
+                rows[-2]["fwd_ratio_vs_fla"] = t_f / rows[-2]["fwd_ms"]
+                rows[-2]["fwdbwd_ratio_vs_fla"] = t_fb / rows[-2]["fwdbwd_ms"]
+                print(line(rows[-2]), flush=True)
+            if name == "fla" or fla is None:
+                print(line(row), flush=True)
         del inputs, do
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
         with open(args.json, "w") as fh:  # incremental, in case the run is cut short
             json.dump(dict(info=info, rows=rows, checks=checks, sweep=sweep_rows), fh, indent=1)
-    by = {(r["shape"], r["impl"]): r for r in rows}
-    for r in rows:
-        if r["impl"] == "ours" and (r["shape"], "fla") in by:
-            f = by[(r["shape"], "fla")]
-            r["fwd_ratio_vs_fla"] = f["fwd_ms"] / r["fwd_ms"]
-            r["fwdbwd_ratio_vs_fla"] = f["fwdbwd_ms"] / r["fwdbwd_ms"]
     print(f"\nKDA on {info['gpu']} (torch {info['torch']}, triton {info['triton']}); bf16, "
           f"D=K=V, safe gate lb=-5; ceilings {PEAK_TFLOPS} TFLOP/s, {PEAK_TBPS} TB/s")
-    hdr = (f"{'shape':<20}{'impl':<6}{'fwd ms':>8}{'f+b ms':>8}{'f+b Mtok/s':>11}"
-           f"{'fwd TF/s':>9}{'f+b TF/s':>9}{'%peak':>6}{'f+b GB/s':>9}{'%bw':>5}"
-           f"{'x fla fwd':>10}{'x fla f+b':>10}")
     print(hdr)
     for r in rows:
-        print(f"{r['shape']:<20}{r['impl']:<6}{r['fwd_ms']:8.3f}{r['fwdbwd_ms']:8.3f}"
-              f"{r['fwdbwd_Mtok_s']:11.2f}{r['fwd_TFLOPs']:9.1f}{r['fwdbwd_TFLOPs']:9.1f}"
-              f"{100 * r['fwdbwd_TFLOPs'] / PEAK_TFLOPS:6.1f}{r['fwdbwd_GBs']:9.0f}"
-              f"{100 * r['fwdbwd_GBs'] / 1e3 / PEAK_TBPS:5.1f}"
-              f"{r.get('fwd_ratio_vs_fla', float('nan')):10.2f}"
-              f"{r.get('fwdbwd_ratio_vs_fla', float('nan')):10.2f}")
+        print(line(r))
     with open(args.json, "w") as fh:
         json.dump(dict(info=info, rows=rows, checks=checks, sweep=sweep_rows), fh, indent=1)
     print(f"wrote {args.json}")
