@@ -11,8 +11,12 @@ float arithmetic is
 * the round-to-nearest-even step ``|y| + C`` with ``C = 2**(e + 23 - M)``: the
   fp32 adder rounds ``|y|`` to a multiple of ``2**(e - M)``, ties to even, and
   ``bits(|y| + C) - bits(C)`` is then the rounded integer mantissa;
-* ``value * 2**k`` when decoding (exact: at most 4 significant bits, and the
-  result stays >= 2**-149).
+* decoding: a code's exponent/mantissa bits shifted into an fp32 bit pattern read as a
+  float are the element value times ``2**(bias - 127)``; two exact power-of-two multiplies
+  give ``value * 2**k`` (at most 4 significant bits, results >= 2**-149, so exact; this needs
+  IEEE subnormals, which plain fp32 multiplies in Triton keep: nothing here is flushed);
+* fake quant: ``(|y| + C) - C`` is the rounded magnitude exactly, then ``min(., max)`` and
+  ``* 2**k``.
 
 The rules are the same as the float64 reference (see ``formats.py``) and tests
 check the two bit for bit. On CPU the kernels run through Triton's interpreter
@@ -49,6 +53,7 @@ def _mx_quantize_kernel(
     MAX_CODE: tl.constexpr, MAX_MANT: tl.constexpr, NAN_CODE: tl.constexpr,
     SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, RCEIL: tl.constexpr,
     FAKE: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * BLOCK_B  # 64-bit base once, 32-bit offsets per element
@@ -95,13 +100,12 @@ def _mx_quantize_kernel(
     code = tl.where(nonfinite[:, None], NAN_CODE, code)
 
     if FAKE:
-        # decode the magnitude code back to fp32 and multiply by 2**k
-        eb = code >> MBITS
-        mant = code & ((1 << MBITS) - 1)
-        mint = tl.where(eb > 0, mant + (1 << MBITS), mant)
-        ek = tl.maximum(eb, 1) + (EMIN - 1 - MBITS) + k[:, None]
-        p2 = tl.where(ek >= -126, (ek + 127) << 23, 1 << tl.minimum(tl.maximum(ek + 149, 0), 30))
-        val = mint.to(tl.float32) * p2.to(tl.float32, bitcast=True)
+        # the rounded magnitude in units of 2**k: (|y| + C) - C is exact; saturate; * 2**k
+        q = s_b.to(tl.float32, bitcast=True) - c_b.to(tl.float32, bitcast=True)
+        q = tl.minimum(q, MAX_VALUE)
+        # 2**k: normal for k >= -126, the subnormal 2**-127 otherwise (the product is exact)
+        p2 = tl.where(k >= -126, (k + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
+        val = q * p2[:, None]
         val = tl.where(neg, -val, val)
         val = tl.where(nonfinite[:, None], float("nan"), val)
         tl.store(out_ptr + first * 32 + offs, _round_out(val, OUT_BF16), mask=rmask[:, None])
@@ -123,6 +127,7 @@ def _mx_dequantize_kernel(
     data_ptr, scale_ptr, out_ptr, n_blocks,
     MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr, INF_CODE: tl.constexpr,
     SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
+    BIAS_POW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * BLOCK_B
@@ -145,15 +150,15 @@ def _mx_dequantize_kernel(
 
     neg = ((code >> SIGN_SHIFT) & 1) != 0
     mag = code & ((1 << SIGN_SHIFT) - 1)
-    eb = mag >> MBITS
-    mant = mag & ((1 << MBITS) - 1)
-    mint = tl.where(eb > 0, mant + (1 << MBITS), mant)
-    ek = tl.maximum(eb, 1) + (EMIN - 1 - MBITS) + k[:, None]
-    ek = tl.minimum(ek, 127)  # only reached by the NaN scale, overwritten below
-    p2 = tl.where(ek >= -126, (ek + 127) << 23, 1 << tl.minimum(tl.maximum(ek + 149, 0), 30))
-    val = mint.to(tl.float32) * p2.to(tl.float32, bitcast=True)
-    val = tl.where(mag == INF_CODE, float("inf"), val)
-    val = tl.where((mag > MAX_CODE) & (mag != INF_CODE), float("nan"), val)
+    # the code's bits placed in an fp32 exponent/mantissa field read as a float are the element
+    # value times 2**(bias - 127) (element subnormals become fp32 subnormals): rescale exactly
+    val = (mag << (23 - MBITS)).to(tl.float32, bitcast=True) * BIAS_POW
+    # * 2**k: normal for k >= -126, the subnormal 2**-127 for k = -127, Inf for the NaN scale
+    p2 = tl.where(k >= -126, (k + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
+    val = val * p2[:, None]
+    if MAX_CODE < (1 << SIGN_SHIFT) - 1:  # the format has Inf/NaN codes
+        val = tl.where(mag > MAX_CODE, float("nan"), val)
+        val = tl.where(mag == INF_CODE, float("inf"), val)
     val = tl.where(neg, -val, val)
     val = tl.where((s == 255)[:, None], float("nan"), val)
     tl.store(out_ptr + offs, _round_out(val, OUT_BF16), mask=rmask[:, None])
@@ -222,6 +227,7 @@ def quantize(x: torch.Tensor, fmt: ElemFormat, rule: str, fake: bool = False):
                    PACK=fmt.packed, RCEIL=(rule == "rceil"), FAKE=fake,
                    IN_BF16=(x.dtype == torch.bfloat16),
                    OUT_BF16=(fake and x.dtype == torch.bfloat16), BLOCK_B=bb,
+                   MAX_VALUE=fmt.max_value,
                    **({} if interpret else {"num_warps": warps}))
     return out if fake else (out, scale)
 
@@ -239,6 +245,6 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, k: int
         kern[grid](codes, scale, out, n_blocks,
                    MBITS=fmt.mbits, EMIN=fmt.emin, MAX_CODE=fmt.max_code, INF_CODE=inf_code,
                    SIGN_SHIFT=fmt.bits - 1, PACK=fmt.packed, OUT_BF16=(dtype == torch.bfloat16),
-                   BLOCK_B=bb,
+                   BLOCK_B=bb, BIAS_POW=2.0 ** (127 - fmt.bias),
                    **({} if interpret else {"num_warps": warps}))
     return out
