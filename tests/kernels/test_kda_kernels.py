@@ -292,9 +292,20 @@ def test_gpu_agrees_with_fla():
 
     o1, s1, g1 = run_and_grad(ours, xb, None, True)
     o2, s2, g2 = run_and_grad(fla_fn, xb, None, True)
-    errs = {"o": rel(o1, o2), "state": rel(s1, s2)}
-    errs.update({n: rel(g1[n], g2[n]) for n in g2})
-    print("rel difference vs fla:", errs)
-    assert errs["o"] <= 2e-2 and errs["state"] <= 2e-2, errs
-    for n in g2:
-        assert errs[n] <= 4e-2, (n, errs)
+    o3, s3, g3 = run_and_grad(lambda *a, **kw: kda_chunked(*a, **kw),
+                              [x.float() if i < 5 else x for i, x in enumerate(xb)], None, True)
+    diff = {"o": rel(o1, o2), "state": rel(s1, s2)}
+    diff.update({n: rel(g1[n], g2[n]) for n in g2})
+    ours_err = {n: rel(g1[n], g3[n]) for n in g3}
+    fla_err = {n: rel(g2[n], g3[n]) for n in g3}
+    print("rel difference ours vs fla:", diff)
+    print("rel error vs fp32 reference, ours:", ours_err)
+    print("rel error vs fp32 reference, fla: ", fla_err)
+    assert diff["o"] <= 2e-2 and diff["state"] <= 2e-2, diff
+    for n in ("q", "k", "v", "beta", "h0"):
+        assert diff[n] <= 2e-2, (n, diff)
+    # gate parameter gradients are sums over many tokens: where the two kernels differ,
+    # the fp32 reference decides, and ours must be no worse than fla (or within 2e-2)
+    for n in ("g", "A_log", "dt_bias"):
+        assert diff[n] <= 2e-2 or ours_err[n] <= max(2e-2, fla_err[n]), (n, diff, ours_err,
+                                                                       fla_err)
