@@ -43,7 +43,7 @@ def test_triton_ns_matches_torch_in_interpreter():
     pytest.importorskip("triton", reason="triton is not installed")
     if torch.cuda.is_available():
         pytest.skip("CPU interpreter test; the GPU path is measured by benchmarks/muon.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.dirname(__file__), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "TRITON_NS_OK" in res.stdout, res.stdout + res.stderr
