@@ -8,10 +8,10 @@ Design (docs/kda_notes.md has the derivation and the measured numbers):
   C/2 - 1, as (x_r e^{G_r - G_ref}) . (y_s e^{G_ref - G_s}); each factor is at
   most e^80, inside the fp32/bf16 range, so the C x C tiles are plain dense dot
   products (tensor cores), with no 16-token sub-blocking and no per-element exp.
-* Five kernels:
+* Four kernels:
     prep   (parallel over chunks):  L2 norm, beta sigmoid, gate activation and
-           cumsum, A = tril(beta K K^T decayed), X = (I + A)^-1 by forward
-           substitution, WY factors Wk = X diag(beta) K e^G, U = X diag(beta) V,
+           cumsum, A = tril(beta K K^T decayed), X = (I + A)^-1 (blocked forward
+           substitution, stable for near-identical keys), WY factors Wk = X diag(beta) K e^G, U = X diag(beta) V,
            the intra-chunk q.k matrix M and the decayed q / k tiles.
     fwd    (sequential over chunks, parallel over sequence, head, V tile):
            W = U - Wk S;  O = (q e^G) S + M W;  S <- e^{G_C} S + (k e^{G_C-G})^T W.
@@ -40,7 +40,8 @@ from triton.language.standard import _sum_combine
 CHUNK = 32
 L2_EPS = 1e-6
 
-# Launch configuration (benchmarks/kda.py sweeps these; defaults are the measured best).
+# Launch configuration.  Defaults: run-1 timings on the H200 plus ptxas spill counts
+# (docs/kda_notes.md); benchmarks/kda.py --sweep times the alternatives.
 CONFIG = {
     "prep_warps": 4,      # kda_prep_kernel
     "seq_bv": 64,         # V tile of the sequential kernels (grid splits V)
