@@ -166,7 +166,7 @@ def _qat_gap(steps, batch, seq, seed, lr):
 
 
 def test_k3_tiny_qat_training_gap():
-    steps = 20
+    steps = 12
     init, l_fp, ev_fp, l_q, ev_q = qat_gap(steps)
     print(f"\nk3_tiny {steps} steps: init {init:.4f}  fp32 eval {ev_fp:.4f}  QAT eval {ev_q:.4f}  "
           f"gap {ev_q - ev_fp:+.4f}")
