@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 COPY_TBPS = 4.2
-DEFAULT_SHAPES = "8192x8192,32768x7168,3072x3584x16"
+DEFAULT_SHAPES = "8192x8192,32768x7168,16x3072x3584"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -148,6 +148,13 @@ def sweep(shape, dtype_name):
     for (fmt, op), r in sorted(best.items()):
         print(f"  {fmt:5s} {op:10s} blocks={r['blocks']:3d} warps={r['warps']} "
               f"{r['ms'] * 1e3:8.1f} us {r['GBps']:7.0f} GB/s")
+    # one config per op for the table: the best worst-case over the formats
+    for op in ("quantize", "dequantize"):
+        cfgs = {(r["blocks"], r["warps"]) for r in out if r["op"] == op}
+        score = {c: min(r["GBps"] for r in out if r["op"] == op
+                        and (r["blocks"], r["warps"]) == c) for c in cfgs}
+        triton_mx.GPU_CONFIG[op] = max(score, key=score.get)
+    print(f"using {triton_mx.GPU_CONFIG} for the table")
     return out
 
 
@@ -194,7 +201,9 @@ def main():
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-                       "copy_ceiling_TBps": COPY_TBPS, "results": results, "sweep": sweeps},
+                       "copy_ceiling_TBps": COPY_TBPS, "results": results, "sweep": sweeps,
+                       "launch_config": dict(__import__("kernels.mx.triton_mx",
+                                                        fromlist=["x"]).GPU_CONFIG)},
                       fh, indent=1)
 
 
