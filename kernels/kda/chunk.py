@@ -416,6 +416,8 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         dqn = dqs * scale
         sq += tl.reduce(bq * rq[:, None] * dqn, 1, _sum_combine)
         sk += tl.reduce(kb_ * dkn, 1, _sum_combine)
+        # every thread has read this block's dQd / dKd before anyone overwrites them
+        tl.debug_barrier()
         tl.store(scr + sbase + sob, dqn)
         tl.store(scr + sbase + C * BK + sob, dkn)
     tl.store(dA_part + base, tl.reduce(dAl, 0, _sum_combine))
