@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 L2_EPS = 1e-6
 REF_CHUNK = 16
@@ -94,26 +93,48 @@ def kda_recurrent(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=N
     return o.to(v.dtype), (final.float() if final is not None else None)
 
 
-def _chunked_one(q, k, v, gate, b, S, C):
-    """One sequence, all heads. q,k,gate [T,H,K]; v [T,H,V]; b [T,H]; S [H,K,V]."""
-    T, H, K = q.shape
+def _chunk_layout(B, T, C, seqs, device):
+    """Token index of every chunk row (pad rows -> B*T, an appended zero row), the chunk
+    ids per (sequence, chunk position) (pad -> NC, an appended identity chunk), and the
+    output row of every token."""
+    pad_tok = B * T
+    tok_rows, chunk_ids, out_rows = [], [], []
+    nc = 0
+    nmax = max((e - s + C - 1) // C for _, s, e in seqs)
+    for n, (b, s, e) in enumerate(seqs):
+        L = e - s
+        nch = (L + C - 1) // C
+        pos = torch.arange(nch * C)
+        tok = b * T + s + pos
+        tok_rows.append(torch.where(pos < L, tok, torch.full_like(tok, pad_tok)).view(nch, C))
+        chunk_ids.append(list(range(nc, nc + nch)) + [None] * (nmax - nch))
+        out_rows.append(n * nmax * C + torch.arange(L))
+        nc += nch
+    tok_idx = torch.cat(tok_rows, 0).to(device)                   # [NC, C]
+    steps = [torch.tensor([ids[j] if ids[j] is not None else nc for ids in chunk_ids],
+                          device=device) for j in range(nmax)]
+    return tok_idx, steps, torch.cat(out_rows).to(device), nc, nmax
+
+
+def _chunked_all(q, k, v, gate, b, S, C, seqs):
+    """All sequences at once. q,k,gate [B,T,H,K]; v [B,T,H,V]; b [B,T,H]; S [N,H,K,V].
+
+    Intra-chunk work runs on the flat list of every sequence's chunks; the state
+    recurrence steps over chunk positions with all sequences in a batch (shorter ones
+    step through an identity chunk)."""
+    B, T, H, K = q.shape
     V = v.shape[-1]
-    NT = (T + C - 1) // C
-    pad = NT * C - T
-    if pad:
-        # padded rows are no-ops: k = v = q = 0, beta = 0, gate = 0 (no decay)
-        q = F.pad(q, (0, 0, 0, 0, 0, pad))
-        k = F.pad(k, (0, 0, 0, 0, 0, pad))
-        v = F.pad(v, (0, 0, 0, 0, 0, pad))
-        gate = F.pad(gate, (0, 0, 0, 0, 0, pad))
-        b = F.pad(b, (0, 0, 0, pad))
-    # -> [H, NT, C, *]
-    q = q.view(NT, C, H, K).permute(2, 0, 1, 3)
-    k = k.view(NT, C, H, K).permute(2, 0, 1, 3)
-    v = v.view(NT, C, H, V).permute(2, 0, 1, 3)
-    gate = gate.view(NT, C, H, K).permute(2, 0, 1, 3)
-    b = b.view(NT, C, H).permute(2, 0, 1)
-    G = gate.cumsum(2)                                              # [H,NT,C,K]
+    N = len(seqs)
+    tok_idx, steps, out_rows, NC, nmax = _chunk_layout(B, T, C, seqs, q.device)
+
+    def gather(x):  # [B,T,H,*] -> [H, NC, C, *] with zero pad rows
+        flat = x.reshape(B * T, *x.shape[2:])
+        flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])], 0)
+        g = flat[tok_idx]                                           # [NC, C, H, *]
+        return g.movedim(2, 0)
+
+    q, k, v, gate, b = gather(q), gather(k), gather(v), gather(gate), gather(b)
+    G = gate.cumsum(2)                                              # [H,NC,C,K]
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     strict = incl.clone().fill_diagonal_(False)
     # Pairwise decays exp(G_r - G_s) through the chunk's middle row: each factor is at most
@@ -128,20 +149,28 @@ def _chunked_one(q, k, v, gate, b, S, C):
     X = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False,
                                       unitriangular=True)
     Tm = X * b[..., None, :]                                        # (I+A)^-1 Diag(beta)
-    Gl = G[..., -1:, :]                                             # [H,NT,1,K]
+    Gl = G[..., -1:, :]                                             # [H,NC,1,K]
     Qd = q * torch.exp(G)
     Kd = k * torch.exp(G)
     Ke = k * torch.exp(Gl - G)
-    Wk = Tm @ Kd                                                    # [H,NT,C,K]
-    U = Tm @ v                                                      # [H,NT,C,V]
-    decay = torch.exp(Gl[..., 0, :])                                # [H,NT,K]
+    Wk = Tm @ Kd                                                    # [H,NC,C,K]
+    U = Tm @ v                                                      # [H,NC,C,V]
+    decay = torch.exp(Gl[..., 0, :])                                # [H,NC,K]
+
+    def ext(x, fill):  # append the identity chunk (index NC), then chunk-major
+        pad = torch.full_like(x[:, :1], fill)
+        return torch.cat([x, pad], 1).movedim(1, 0)                 # [NC+1, H, ...]
+
+    U, Wk, Qd, Mqk, Ke, decay = (ext(U, 0.), ext(Wk, 0.), ext(Qd, 0.), ext(Mqk, 0.),
+                                 ext(Ke, 0.), ext(decay, 1.))
     outs = []
-    for n in range(NT):
-        W = U[:, n] - Wk[:, n] @ S
-        outs.append(Qd[:, n] @ S + Mqk[:, n] @ W)
-        S = decay[:, n, :, None] * S + Ke[:, n].transpose(-1, -2) @ W
-    o = torch.stack(outs, 1).reshape(H, NT * C, V).permute(1, 0, 2)[:T]
-    return o, S
+    for c in steps:                                                 # c: [N] chunk ids
+        W = U[c] - Wk[c] @ S                                        # [N,H,C,V]
+        outs.append(Qd[c] @ S + Mqk[c] @ W)
+        S = decay[c][..., None] * S + Ke[c].transpose(-1, -2) @ W
+    o = torch.stack(outs, 1)                                        # [N,nmax,H,C,V]
+    o = o.permute(0, 1, 3, 2, 4).reshape(N * nmax * C, H, V)[out_rows]
+    return o.view(B, T, H, V), S
 
 
 def kda_chunked(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None,
@@ -158,22 +187,11 @@ def kda_chunked(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=Non
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf, gate, bf = _prepare(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                     use_qk_l2norm, dtype)
-    outs, finals = [], []
-    for n, (bi, s, e) in enumerate(_seq_bounds(B, T, cu_seqlens)):
-        if initial_state is not None:
-            S = initial_state[n].to(dtype)
-        else:
-            S = qf.new_zeros(H, K, V)
-        if e > s:
-            o, S = _chunked_one(qf[bi, s:e], kf[bi, s:e], vf[bi, s:e], gate[bi, s:e],
-                                bf[bi, s:e], S, chunk_size)
-        else:
-            o = qf.new_zeros(0, H, V)
-        outs.append(o)
-        finals.append(S)
-    if cu_seqlens is None:
-        o = torch.stack(outs, 0)
+    seqs = _seq_bounds(B, T, cu_seqlens)
+    if initial_state is not None:
+        S = initial_state.to(dtype)
     else:
-        o = torch.cat(outs, 0)[None]
-    final = torch.stack(finals, 0).float() if output_final_state else None
+        S = qf.new_zeros(len(seqs), H, K, V)
+    o, S = _chunked_all(qf, kf, vf, gate, bf, S, chunk_size, seqs)
+    final = S.float() if output_final_state else None
     return o.to(v.dtype), final
