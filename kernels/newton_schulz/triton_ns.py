@@ -77,8 +77,8 @@ if triton is not None:
                 Ad = acc
             else:
                 Ad = acc.to(tl.bfloat16)
-            AA = tl.dot(Ad, Ad)
-            Bm = b * acc + c * AA
+            # B = b A + c A A, with A as the dot's accumulator (fewer live [BM, BM] tiles)
+            Bm = tl.dot(Ad, Ad, acc * (b / c)) * c
             if DOT_FP32:
                 Bd = Bm
             else:
@@ -96,7 +96,7 @@ if triton is not None:
                     xd = x.to(tl.float32)
                 else:
                     xd = x
-                out = (tl.dot(Bd, xd) + a * x.to(tl.float32)) * s
+                out = tl.dot(Bd, xd, a * x.to(tl.float32)) * s
                 tl.store(dst + offs, out.to(dst.dtype.element_ty), mask=msk)
             tl.debug_barrier()
             src, dst = dst, src
@@ -127,15 +127,17 @@ def newton_schulz_triton(
     torch.div(G, norm.add_(eps), out=X)
     Y = torch.empty_like(X)
     BM = max(16, triton.next_power_of_2(M))
-    BN = 64 if BM >= 128 else 128
+    # tiles chosen with ptxas -v for sm_90a: no or negligible spills (docs/muon_notes.md)
+    BN = 64 if BM >= 64 else 128
     BN = min(BN, max(16, triton.next_power_of_2(N)))
+    num_warps = 8 if BM >= 64 else 4
     a, b, c = coeffs
     interp = _interpret()
     _ns_fused_kernel[(Bsz,)](
         X, Y, M, N, X.stride(0), X.stride(1),
         float(a), float(b), float(c), float(scale),
         STEPS=steps, BM=BM, BN=BN, DOT_FP32=interp or dtype == torch.float32,
-        num_warps=8 if BM >= 128 else 4,
+        num_warps=num_warps,
     )
     out = Y if steps % 2 == 1 else X
     if tall:
