@@ -471,7 +471,8 @@ def build_muon(
     muon_ns_steps, per_head_groups). Groups: "muon" (weight decay), "adamw" (weight
     decay: embeddings, LM head, conv, ...), "adamw_no_wd" (norms, pseudo-queries, gate
     params, vectors). Every parameter must declare a role; frozen ones are skipped.
-    ``kwargs`` go to ``K3Muon`` (ns_dtype, ns_fn, stack_max_blocks).
+    ``kwargs`` go to ``K3Muon`` (ns_dtype, ns_fn, stack_max_blocks); without ``ns_fn`` the
+    NS backend comes from ``cfg.muon_ns_backend`` when the config has it (default "torch").
     """
     named_params = list(named_params)
     split = split_params(named_params)
@@ -513,4 +514,18 @@ def build_muon(
             )
     if not groups:
         raise ValueError("build_muon: no trainable parameters")
+    if "ns_fn" not in kwargs:
+        kwargs["ns_fn"] = ns_backend(str(cfg_get(cfg, "muon_ns_backend", "torch")))
     return K3Muon(groups, dp_group=dp_group, tp_group=tp_group, **kwargs)
+
+
+def ns_backend(name: str) -> Callable[..., torch.Tensor]:
+    """Newton–Schulz implementation by name: "torch" (batched bmm/baddbmm) or "triton"
+    (fused kernel in kernels/newton_schulz for blocks of <= 128 rows, torch otherwise)."""
+    if name == "torch":
+        return newton_schulz
+    if name == "triton":
+        from kernels.newton_schulz import newton_schulz_triton  # noqa: PLC0415
+
+        return newton_schulz_triton
+    raise ValueError(f"optim.muon_ns_backend must be 'torch' or 'triton', got {name!r}")

@@ -207,3 +207,15 @@ def test_weight_decay_is_decoupled():
     p.grad = torch.zeros_like(p)  # zero grad -> zero NS update, only decay remains
     o.step()
     torch.testing.assert_close(p.detach(), w0 * (1 - 0.1 * 0.5))
+
+
+def test_ns_backend_from_config():
+    from k3train.optim.muon import ns_backend
+    from k3train.optim.newton_schulz import newton_schulz
+
+    assert ns_backend("torch") is newton_schulz
+    with pytest.raises(ValueError, match="muon_ns_backend"):
+        ns_backend("cuda")
+    m = StandInModel()
+    o = build_muon(m.named_parameters(), {"lr": 0.01, "weight_decay": 0.0, "muon_ns_backend": "torch"})
+    assert o.ns_fn is newton_schulz
