@@ -6,7 +6,7 @@ What is saved:
 - optimizer state tensors shaped like their parameter, sharded the same way; the rest of the
   optimizer state (step counters, hyper-parameters) as common state;
 - scheduler, data position, step and the model config as common state;
-- each rank's RNG states as a per-rank ``ShardedObject``.
+- each rank's RNG states as a per-rank ``ShardedObject`` (restored when the world size is unchanged).
 
 Layout: ``<run>/checkpoints/step_00000010/``; ``<run>/checkpoints/latest`` names the newest.
 Writes are atomic: a temporary directory is filled, renamed, and only then is ``latest``
@@ -39,16 +39,21 @@ class CheckpointError(RuntimeError):
 
 
 def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups):
+    """A ShardedTensor with the global shape, so checkpoints reshard across TP sizes.
+
+    A dim that interleaves ``stride`` matrices (the experts' [gate; up] rows) is viewed as
+    [.., stride, n, ..] at every TP size, so each part is sharded on its own.
+    """
     from megatron.core.dist_checkpointing import ShardedTensor
 
     dim = role.tp_partition_dim if role is not None else None
-    if dim is None or groups.tp_size == 1:
-        return ShardedTensor.from_rank_offsets(key, t, replica_id=(groups.tp_rank, groups.dp_rank))
-    stride = role.tp_partition_stride
-    if stride > 1:  # view [.., stride·n, ..] as [.., stride, n, ..]: each part sharded separately
+    if dim is not None and role.tp_partition_stride > 1:
         shape = list(t.shape)
+        stride = role.tp_partition_stride
         t = t.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:])
         dim += 1
+    if dim is None or groups.tp_size == 1:
+        return ShardedTensor.from_rank_offsets(key, t, replica_id=(groups.tp_rank, groups.dp_rank))
     return ShardedTensor.from_rank_offsets(key, t, (dim, groups.tp_rank, groups.tp_size), replica_id=groups.dp_rank)
 
 
@@ -104,8 +109,9 @@ def _state_dict(model, optimizer, groups, extra: dict, template: bool) -> dict:
             _, _, opt_tensors, _ = _optimizer_split(optimizer, names)
         for (n, k), t in opt_tensors.items():
             sd[f"optim.{n}.{k}"] = _sharded(f"optim.{n}.{k}", t, get_role(params_by_name[n]), groups)
-    sd["rng"] = ShardedObject("rng", None if template else _rng_state(), (groups.world_size,), (groups.rank,),
-                              replica_id=0)
+    if not template or extra.get("world_size") == groups.world_size:
+        sd["rng"] = ShardedObject("rng", None if template else _rng_state(), (groups.world_size,), (groups.rank,),
+                                  replica_id=0)
     sd.update(extra)
     return sd
 
@@ -125,6 +131,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     opt_sd, params, opt_tensors, opt_other = _optimizer_split(optimizer, names)
     extra = {
         "step": step,
+        "world_size": groups.world_size,
         "model_config": dataclasses.asdict(model_cfg),
         "scheduler": scheduler.state_dict(),
         "data": data_state,
@@ -175,10 +182,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         raise CheckpointError(f"{path} is not a k3train checkpoint directory (no dist_checkpointing metadata)")
     common = dist_checkpointing.load_common_state_dict(str(path))
     check_model_config(common["model_config"], model_cfg, path)
-    template = _state_dict(model, optimizer, groups,
-                           {"optimizer_tensor_keys": [tuple(k) for k in common["optimizer_tensor_keys"]]},
-                           template=True)
-    template = {k: v for k, v in template.items() if k != "optimizer_tensor_keys"}
+    lookup = {"optimizer_tensor_keys": [tuple(k) for k in common["optimizer_tensor_keys"]],
+              "world_size": common["world_size"]}
+    template = _state_dict(model, optimizer, groups, lookup, template=True)
+    template = {k: v for k, v in template.items() if k not in lookup}
     loaded = dist_checkpointing.load(template, str(path))
 
     tensors = _model_tensors(model)
@@ -198,5 +205,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         state.setdefault(param_index[n], {}).update(other)
     optimizer.load_state_dict({"state": state, "param_groups": common["optimizer_param_groups"]})
     scheduler.load_state_dict(common["scheduler"])
-    _set_rng_state(loaded["rng"])
+    if "rng" in loaded:  # per-rank RNG streams only carry over to the same number of ranks
+        _set_rng_state(loaded["rng"])
     return {"step": common["step"], "data": common["data"]}

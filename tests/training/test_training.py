@@ -16,33 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-FAST = ["model=k3_tiny", "train.device=cpu", "data.seq_len=64", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "train.eval_every=0", "logging.wandb=false", "logging.console=false",
-        "optim.lr=3e-3"]
-
-
-def train(out_dir: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "k3train.train", *FAST, f"train.out_dir={out_dir}", *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def losses(out_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
-
-
-def checkpoint_tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp / f"{ckpt.parent.parent.name}_{ckpt.name}.pt"
-    dcp_to_torch_save(str(ckpt), str(out))
-    state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state.items() if torch.is_tensor(v)}
+from test_training_helpers import FAST, REPO, checkpoint_tensors, losses, train
 
 
 @pytest.fixture(scope="module")
