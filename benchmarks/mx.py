@@ -128,7 +128,7 @@ def sweep(shape, dtype_name):
         data, scale = mx_quantize(x, fmt, "rceil")
         for op in ("quantize", "dequantize"):
             saved = triton_mx.GPU_CONFIG[op]
-            for bb in (32, 64, 128, 256):
+            for bb in (32, 64, 128):
                 for warps in (4, 8):
                     triton_mx.GPU_CONFIG[op] = (bb, warps)
                     if op == "quantize":
