@@ -169,43 +169,34 @@ class TPSpec:
     def column(self, in_features: int, out_features: int, *, what: str, kind: Kind = Kind.MATRIX,
                head_group: str | None = None, head_dim: int | None = None) -> nn.Module:
         """y_local = x W_localᵀ, W sharded on its output rows. Input gradient is all-reduced over TP."""
-        out_local = self.local(out_features, what)
-        if self.backend == "torch":
-            mod = _without_rng(nn.Linear, in_features, out_features, bias=False)
-        elif self.backend == "megatron":
-            from megatron.core.tensor_parallel import ColumnParallelLinear
-
-            mod = _output_only(ColumnParallelLinear)(
-                in_features, out_features, config=self._mcore_config, init_method=_no_init, bias=False,
-                gather_output=False, tp_group=self.groups.tp)
-        else:
-            mod = self._te_linear(in_features, out_features, "column")
-        assert mod.weight.shape == (out_local, in_features)
+        mod = self._parallel_linear(in_features, out_features, "column")
+        assert mod.weight.shape == (self.local(out_features, what), in_features)
         self._init(mod.weight, ParamRole(kind, head_group=head_group, head_dim=head_dim, tp_partition_dim=0))
         return mod
 
     def row(self, in_features: int, out_features: int, *, what: str, kind: Kind = Kind.MATRIX) -> nn.Module:
         """y = all_reduce(x_local W_localᵀ), W sharded on its input columns."""
-        in_local = self.local(in_features, what)
-        if self.backend == "torch":
-            mod = _without_rng(nn.Linear, in_features, out_features, bias=False)
-        elif self.backend == "megatron":
-            from megatron.core.tensor_parallel import RowParallelLinear
-
-            mod = _output_only(RowParallelLinear)(
-                in_features, out_features, config=self._mcore_config, init_method=_no_init, bias=False,
-                input_is_parallel=True, skip_bias_add=True, tp_group=self.groups.tp)
-        else:
-            mod = self._te_linear(in_features, out_features, "row")
-        assert mod.weight.shape == (out_features, in_local)
+        mod = self._parallel_linear(in_features, out_features, "row")
+        assert mod.weight.shape == (out_features, self.local(in_features, what))
         self._init(mod.weight, ParamRole(kind, tp_partition_dim=1))
         return mod
 
-    def _te_linear(self, in_features: int, out_features: int, mode: str) -> nn.Module:
-        import transformer_engine.pytorch as te
+    def _parallel_linear(self, in_features: int, out_features: int, mode: str) -> nn.Module:
+        """The backend's bias-free linear in ``mode`` ("column" or "row"), weights not yet initialised."""
+        if self.backend == "torch":
+            return _without_rng(nn.Linear, in_features, out_features, bias=False)
+        if self.backend == "te":
+            import transformer_engine.pytorch as te
 
-        return te.Linear(in_features, out_features, bias=False, tp_group=self.groups.tp, tp_size=self.size,
-                         parallel_mode=mode, init_method=_no_init, params_dtype=torch.float32, device="cuda")
+            return te.Linear(in_features, out_features, bias=False, tp_group=self.groups.tp, tp_size=self.size,
+                             parallel_mode=mode, init_method=_no_init, params_dtype=torch.float32, device="cuda")
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        common = dict(config=self._mcore_config, init_method=_no_init, bias=False, tp_group=self.groups.tp)
+        if mode == "column":
+            return _output_only(ColumnParallelLinear)(in_features, out_features, gather_output=False, **common)
+        return _output_only(RowParallelLinear)(in_features, out_features, input_is_parallel=True, skip_bias_add=True,
+                                               **common)
 
     def embedding(self, vocab: int, dim: int) -> nn.Module:
         """Token embedding, vocabulary sharded over TP."""
