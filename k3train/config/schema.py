@@ -98,6 +98,7 @@ class OptimConfig:
     # Muon (issue 4)
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
+    muon_ns_backend: str = "torch"  # batched Newton–Schulz: "torch" (bmm) or "triton"
     per_head_groups: list[str] = field(default_factory=lambda: ["kda_qkv", "mla_q_b", "mla_kv_b"])
     qk_clip_tau: Optional[float] = None
 
