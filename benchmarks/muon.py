@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from k3train.model.roles import Kind, ParamRole  # noqa: E402
-from k3train.optim.muon import _Bucket, assign_blocks, build_muon  # noqa: E402
+from k3train.optim.muon import NS_CALL_OVERHEAD, _Bucket, assign_blocks, build_muon  # noqa: E402
 from k3train.optim.newton_schulz import muon_update_scale, newton_schulz  # noqa: E402
 from k3train.optim.param_groups import muon_spec, split_params  # noqa: E402
 
@@ -239,6 +239,7 @@ def main() -> int:
     bench("per-head Muon + AdamW (bmm NS)", lambda: build_muon(named, cfg_ph))
     bench("whole-matrix Muon + AdamW (bmm NS)", lambda: build_muon(named, cfg_whole))
     bench("per-head Muon, NS replaced by a cast", lambda: build_muon(named, cfg_ph, ns_fn=_no_ns))
+    bench("per-head Muon, all expert stacks in one call", lambda: build_muon(named, cfg_ph, stack_max_blocks=10**9))
     if newton_schulz_triton is not None:
         bench("per-head Muon + AdamW (Triton NS)", lambda: build_muon(named, cfg_ph, ns_fn=newton_schulz_triton))
         bench("whole-matrix Muon + AdamW (Triton NS)", lambda: build_muon(named, cfg_whole, ns_fn=newton_schulz_triton))
@@ -312,20 +313,28 @@ def main() -> int:
     data = [torch.randn(b.num_blocks, *b.shape, device=dev) for b in bl]
     dp_rows = []
     print("\nper-rank Newton-Schulz time when blocks are spread over DP ranks (per-head config, bmm)")
+    def even_split(buckets, dp):  # the first plan: every bucket cut over all ranks
+        return [[b.num_blocks // dp + (1 if r < b.num_blocks % dp else 0) for r in range(dp)] for b in buckets]
+
     for dp in (1, 2, 4, 8):
-        counts = assign_blocks(bl, dp)
-        loads = [sum(c[r] * b.block_cost for b, c in zip(bl, counts)) for r in range(dp)]
-        r = max(range(dp), key=lambda i: loads[i])
-        work = [(d[: c[r]], muon_update_scale(*b.shape)) for b, c, d in zip(bl, counts, data) if c[r]]
+        row = {"dp": dp}
+        for plan_name, plan in (("lpt", assign_blocks), ("even", even_split)):
+            counts = plan(bl, dp) if plan is even_split else plan(bl, dp, NS_CALL_OVERHEAD if dev.type == "cuda" else 0.0)
+            ts = []
+            for r in range(dp):  # time every rank's share; report the slowest
+                work = [(d[: c[r]], muon_update_scale(*b.shape)) for b, c, d in zip(bl, counts, data) if c[r]]
 
-        def run():
-            for x, sc in work:
-                newton_schulz(x, scale=sc)
+                def run(work=work):
+                    for x, sc in work:
+                        newton_schulz(x, scale=sc)
 
-        t = do_bench(run, warmup=10, rep=50, return_mode="median")
-        dp_rows.append({"dp": dp, "max_rank_ns_ms": t, "imbalance": max(loads) / (sum(loads) / dp)})
-        print(f"  DP={dp}: {t:7.3f} ms on the busiest rank (cost imbalance {max(loads) / (sum(loads) / dp):.3f})",
-              flush=True)
+                ts.append(do_bench(run, warmup=5, rep=20, return_mode="median") if work else 0.0)
+            row[f"{plan_name}_max_rank_ms"] = max(ts)
+            row[f"{plan_name}_calls_max_rank"] = max(sum(1 for c in counts if c[r]) for r in range(dp))
+        dp_rows.append(row)
+        print(f"  DP={dp}: busiest rank {row['lpt_max_rank_ms']:7.3f} ms ({row['lpt_calls_max_rank']} calls) with "
+              f"assign_blocks; {row['even_max_rank_ms']:7.3f} ms ({row['even_calls_max_rank']} calls) cutting every "
+              f"bucket evenly", flush=True)
     res["dp_ns"] = dp_rows
 
     # ---- table ------------------------------------------------------------------------
