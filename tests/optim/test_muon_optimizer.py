@@ -214,6 +214,9 @@ def test_ns_backend_from_config():
     from k3train.optim.newton_schulz import newton_schulz
 
     assert ns_backend("torch") is newton_schulz
+    # "auto" (the default) is the torch path on CPU, whatever the Triton interpreter says
+    G = torch.randn(3, 8, 24)
+    assert torch.equal(ns_backend("auto")(G, steps=5, scale=1.0, dtype=torch.float32), newton_schulz(G))
     with pytest.raises(ValueError, match="muon_ns_backend"):
         ns_backend("cuda")
     m = StandInModel()
