@@ -2,21 +2,21 @@
 
 The tensor is viewed as [n_blocks, 32] (blocks run along the contiguous last
 dimension), and each program handles ``BLOCK_B`` blocks. All decisions that
-must be exact are made on the fp32 bit patterns with integer ops; the only
-float arithmetic is
+must be exact are made on the fp32 bit patterns with integer ops, and no float
+op ever takes or makes an fp32 subnormal, so flush-to-zero cannot change a
+result. The only float arithmetic is
 
-* ``y = x * 2**-k`` (exact: the multiplier is a normal power of two, and a
-  product that underflows is far below half the element format's smallest
-  step, so it rounds to zero either way);
+* ``y = x * 2**-k`` for normal ``x`` (exact: the multiplier is a normal power
+  of two; a product below 2**-126 is far below half the element format's
+  smallest step, so it rounds to zero whether or not it is flushed). fp32
+  subnormal inputs take an integer path (``float(m)`` with its exponent moved);
 * the round-to-nearest-even step ``|y| + C`` with ``C = 2**(e + 23 - M)``: the
   fp32 adder rounds ``|y|`` to a multiple of ``2**(e - M)``, ties to even, and
-  ``bits(|y| + C) - bits(C)`` is then the rounded integer mantissa;
-* decoding: a code's exponent/mantissa bits shifted into an fp32 bit pattern read as a
-  float are the element value times ``2**(bias - 127)``; two exact power-of-two multiplies
-  give ``value * 2**k`` (at most 4 significant bits, results >= 2**-149, so exact; this needs
-  IEEE subnormals, which plain fp32 multiplies in Triton keep: nothing here is flushed);
-* fake quant: ``(|y| + C) - C`` is the rounded magnitude exactly, then ``min(., max)`` and
-  ``* 2**k``.
+  ``bits(|y| + C) - bits(C)`` is then the rounded integer mantissa.
+
+Decoding (dequantize, fake quant) builds the fp32 bit pattern of
+``code value * 2**k`` with integer ops (subnormal results included), and bf16
+outputs are rounded from those bits with integer ops.
 
 The rules are the same as the float64 reference (see ``formats.py``) and tests
 check the two bit for bit. On CPU the kernels run through Triton's interpreter
@@ -35,16 +35,33 @@ from .formats import BLOCK, ElemFormat
 
 
 @triton.jit
-def _round_out(val, OUT_BF16: tl.constexpr):
-    """fp32 -> output dtype. bf16 is rounded here with integer ops (RNE, subnormals kept),
-    so the interpreter and the GPU agree with torch's conversion bit for bit."""
+def _store_bits(ptr, bits, mask, OUT_BF16: tl.constexpr):
+    """Store fp32 values given as int32 bit patterns. bf16 is rounded with integer ops (RNE,
+    subnormals kept), so the interpreter and any GPU agree with torch's conversion bit for bit."""
     if OUT_BF16:
-        vb = val.to(tl.int32, bitcast=True)
-        r = ((vb + (0x7FFF + ((vb >> 16) & 1))) >> 16) & 0xFFFF
-        r = tl.where(val != val, 0x7FC0, r)
-        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        r = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) & 0xFFFF
+        r = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+        tl.store(ptr, r.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
-        return val
+        tl.store(ptr, bits.to(tl.float32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _decode_bits(mag, k, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """Finite magnitude code (int32) times 2**k -> fp32 bit pattern, with integer ops only
+    (no float op sees or makes a subnormal, so flush-to-zero settings cannot matter).
+    The value is sig * 2**(e - 23) with sig's leading bit at bit 23."""
+    eb = mag >> MBITS
+    mant = mag & ((1 << MBITS) - 1)
+    # normal code: implicit bit; subnormal code: normalize the (<= 3-bit) mantissa
+    p = (mant >= 2).to(tl.int32) + (mant >= 4).to(tl.int32)  # floor(log2(mant)), MBITS <= 3
+    sig = tl.where(eb > 0, (mant | (1 << MBITS)) << (23 - MBITS), mant << (23 - p))
+    e = tl.where(eb > 0, eb + (EMIN - 1), p + (EMIN - MBITS)) + k
+    normal = ((e + 127) << 23) | (sig & 0x7FFFFF)
+    sub = sig >> tl.minimum(tl.maximum(-126 - e, 0), 31)  # exact: few significant bits
+    bits = tl.where(e >= -126, normal, sub)
+    bits = tl.where(e > 127, 0x7F800000, bits)
+    return tl.where(mag == 0, 0, bits)
 
 
 def _mx_quantize_kernel(
@@ -53,7 +70,7 @@ def _mx_quantize_kernel(
     MAX_CODE: tl.constexpr, MAX_MANT: tl.constexpr, NAN_CODE: tl.constexpr,
     SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, RCEIL: tl.constexpr,
     FAKE: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
-    MAX_VALUE: tl.constexpr,
+    MAX_VALUE: tl.constexpr, LOW_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * BLOCK_B  # 64-bit base once, 32-bit offsets per element
@@ -83,11 +100,21 @@ def _mx_quantize_kernel(
         k = ea - 127 - EMAX
     k = tl.where(ea == 0, -127, k)  # zero or fp32-subnormal amax
     k = tl.minimum(tl.maximum(k, -127), 127)
-    k = tl.where(nonfinite, 0, k)
+    k = tl.where(nonfinite | (rows >= n_blocks - first), 0, k)  # (masked rows: any normal k)
 
     # ---- y = x * 2**-k ; -k in [-127, 126] so the multiplier is a normal float ----
     inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
     ay = tl.abs(x) * inv[:, None]
+    lowk = tl.min(k, axis=0) < LOW_K  # rare: a block so small that subnormals matter
+    if lowk:
+        # fp32-subnormal inputs never enter a float op (exact under any flush-to-zero
+        # setting): |x| = m * 2**-149, float(m) is exact and normal, so add (-149 - k) to its
+        # exponent; a result below 2**-126 rounds to zero in every element format anyway.
+        # For k >= LOW_K such inputs give |y| < 2**-17, below half of any format's step.
+        sub_e = tl.maximum(-149 - k, -160)  # clamp keeps the shift in int32 range
+        ys = (ab.to(tl.float32).to(tl.int32, bitcast=True) + (sub_e << 23)[:, None])
+        ys = tl.where(ys >= 0x00800000, ys, 0).to(tl.float32, bitcast=True)
+        ay = tl.where(ab < 0x00800000, ys, ay)
 
     # ---- RNE to the element grid ----
     ay_b = ay.to(tl.int32, bitcast=True)
@@ -100,15 +127,18 @@ def _mx_quantize_kernel(
     code = tl.where(nonfinite[:, None], NAN_CODE, code)
 
     if FAKE:
-        # the rounded magnitude in units of 2**k: (|y| + C) - C is exact; saturate; * 2**k
-        q = s_b.to(tl.float32, bitcast=True) - c_b.to(tl.float32, bitcast=True)
-        q = tl.minimum(q, MAX_VALUE)
-        # 2**k: normal for k >= -126, the subnormal 2**-127 otherwise (the product is exact)
-        p2 = tl.where(k >= -126, (k + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
-        val = q * p2[:, None]
-        val = tl.where(neg, -val, val)
-        val = tl.where(nonfinite[:, None], float("nan"), val)
-        tl.store(out_ptr + first * 32 + offs, _round_out(val, OUT_BF16), mask=rmask[:, None])
+        if lowk:
+            bits = _decode_bits(code, k[:, None], MBITS, EMIN)
+        else:
+            # (|y| + C) - C is the rounded magnitude exactly; saturate; * 2**k. For
+            # k >= LOW_K every operand and result is a normal float (or zero or Inf).
+            q = s_b.to(tl.float32, bitcast=True) - c_b.to(tl.float32, bitcast=True)
+            q = tl.minimum(q, MAX_VALUE)
+            p2 = ((k + 127) << 23).to(tl.float32, bitcast=True)
+            bits = (q * p2[:, None]).to(tl.int32, bitcast=True)
+        bits = bits | (neg.to(tl.int32) << 31)
+        bits = tl.where(nonfinite[:, None], 0x7FC00000, bits)
+        _store_bits(out_ptr + first * 32 + offs, bits, rmask[:, None], OUT_BF16)
     else:
         code = code | (neg.to(tl.int32) << SIGN_SHIFT)
         if PACK:
@@ -127,7 +157,7 @@ def _mx_dequantize_kernel(
     data_ptr, scale_ptr, out_ptr, n_blocks,
     MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr, INF_CODE: tl.constexpr,
     SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
-    BIAS_POW: tl.constexpr,
+    SUB_UNIT: tl.constexpr, LOW_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * BLOCK_B
@@ -148,20 +178,25 @@ def _mx_dequantize_kernel(
     s = tl.load(scale_ptr + rows, mask=rmask, other=127).to(tl.int32)
     k = s - 127
 
-    neg = ((code >> SIGN_SHIFT) & 1) != 0
+    neg = (code >> SIGN_SHIFT) & 1
     mag = code & ((1 << SIGN_SHIFT) - 1)
-    # the code's bits placed in an fp32 exponent/mantissa field read as a float are the element
-    # value times 2**(bias - 127) (element subnormals become fp32 subnormals): rescale exactly
-    val = (mag << (23 - MBITS)).to(tl.float32, bitcast=True) * BIAS_POW
-    # * 2**k: normal for k >= -126, the subnormal 2**-127 for k = -127, Inf for the NaN scale
-    p2 = tl.where(k >= -126, (k + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
-    val = val * p2[:, None]
+    if tl.min(k, axis=0) < LOW_K:
+        bits = _decode_bits(mag, k[:, None], MBITS, EMIN)
+    else:
+        # element value as a normal fp32 (normal codes: move the bits into place; subnormal
+        # codes: float(mant) * 2**(emin - M)), then * 2**k. For k >= LOW_K every product is
+        # a normal float (or zero or Inf), so this is exact under any flush-to-zero setting.
+        vn = ((mag << (23 - MBITS)) + ((127 + EMIN - 1) << 23)).to(tl.float32, bitcast=True)
+        vs = mag.to(tl.float32) * SUB_UNIT
+        v = tl.where(mag < (1 << MBITS), vs, vn)
+        p2 = ((k + 127) << 23).to(tl.float32, bitcast=True)  # k = 128 (NaN scale) gives Inf
+        bits = (v * p2[:, None]).to(tl.int32, bitcast=True)
     if MAX_CODE < (1 << SIGN_SHIFT) - 1:  # the format has Inf/NaN codes
-        val = tl.where(mag > MAX_CODE, float("nan"), val)
-        val = tl.where(mag == INF_CODE, float("inf"), val)
-    val = tl.where(neg, -val, val)
-    val = tl.where((s == 255)[:, None], float("nan"), val)
-    tl.store(out_ptr + offs, _round_out(val, OUT_BF16), mask=rmask[:, None])
+        bits = tl.where(mag > MAX_CODE, 0x7FC00000, bits)
+        bits = tl.where(mag == INF_CODE, 0x7F800000, bits)
+    bits = bits | (neg << 31)
+    bits = tl.where((s == 255)[:, None], 0x7FC00000, bits)
+    _store_bits(out_ptr + offs, bits, rmask[:, None], OUT_BF16)
 
 
 def interpreter_active() -> bool:
@@ -192,6 +227,12 @@ def _max_mant(fmt: ElemFormat) -> int:
     """fp32 mantissa field of max_elem (for the exact RCEIL comparison)."""
     return int(torch.tensor(fmt.max_value, dtype=torch.float32).view(torch.int32)) & 0x7FFFFF
 
+
+# Programs whose blocks all have k >= LOW_K take the fast float paths, in which no operand or
+# result can be an fp32 subnormal: the smallest nonzero element value is 2**-16 (E5M2) and
+# 2**-16 * 2**-109 is normal; an fp32-subnormal input gives |y| < 2**(-126 - k) <= 2**-17,
+# below half of any format's smallest step. Other programs take exact integer paths.
+LOW_K = -109
 
 # (blocks of 32 per program, warps) on GPU; benchmarks/mx.py --sweep tunes these.
 GPU_CONFIG = {"quantize": (64, 4), "dequantize": (64, 4)}
@@ -227,7 +268,7 @@ def quantize(x: torch.Tensor, fmt: ElemFormat, rule: str, fake: bool = False):
                    PACK=fmt.packed, RCEIL=(rule == "rceil"), FAKE=fake,
                    IN_BF16=(x.dtype == torch.bfloat16),
                    OUT_BF16=(fake and x.dtype == torch.bfloat16), BLOCK_B=bb,
-                   MAX_VALUE=fmt.max_value,
+                   MAX_VALUE=fmt.max_value, LOW_K=LOW_K,
                    **({} if interpret else {"num_warps": warps}))
     return out if fake else (out, scale)
 
@@ -245,6 +286,6 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, k: int
         kern[grid](codes, scale, out, n_blocks,
                    MBITS=fmt.mbits, EMIN=fmt.emin, MAX_CODE=fmt.max_code, INF_CODE=inf_code,
                    SIGN_SHIFT=fmt.bits - 1, PACK=fmt.packed, OUT_BF16=(dtype == torch.bfloat16),
-                   BLOCK_B=bb, BIAS_POW=2.0 ** (127 - fmt.bias),
+                   BLOCK_B=bb, SUB_UNIT=2.0 ** (fmt.emin - fmt.mbits), LOW_K=LOW_K,
                    **({} if interpret else {"num_warps": warps}))
     return out

@@ -283,8 +283,16 @@ def test_triton_random_bit_exact(fmt, rule, dtype):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_triton_edge_cases_bit_exact(fmt, rule):
     x = edge_input(fmt)
+    # all rows: a program holding a block with k < -109 takes the exact integer paths
     _check_triton(x, fmt, rule)
     _check_triton(x.to(torch.bfloat16), fmt, rule)
+    # without the zero / subnormal blocks (rows 0-3): the fast float paths
+    _check_triton(x[4:], fmt, rule)
+    _check_triton(x[4:].to(torch.bfloat16), fmt, rule)
+    # ordinary data through the integer paths (one all-zero block in the same program)
+    r = random_input((16, 64), torch.float32, 9)
+    r[0] = 0.0
+    _check_triton(r, fmt, rule)
 
 
 @triton_cpu
@@ -344,6 +352,7 @@ def test_gpu_bit_exact_large(fmt, rule, dtype):
     _check_triton(random_input((512, 4096), dtype, seed=11), fmt, rule)
     _check_triton(random_input((7, 3, 96), dtype, seed=12), fmt, rule)
     _check_triton(edge_input(fmt).to(dtype), fmt, rule)
+    _check_triton(edge_input(fmt)[4:].to(dtype), fmt, rule)
 
 
 @pytest.mark.gpu
