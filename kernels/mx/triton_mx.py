@@ -235,7 +235,7 @@ def _max_mant(fmt: ElemFormat) -> int:
 LOW_K = -109
 
 # (blocks of 32 per program, warps) on GPU; benchmarks/mx.py --sweep tunes these.
-GPU_CONFIG = {"quantize": (64, 4), "dequantize": (64, 4)}
+GPU_CONFIG = {"quantize": (128, 8), "dequantize": (128, 8)}  # H200 sweep, 2026-11-29
 
 
 def _launch_cfg(x: torch.Tensor, op: str):
