@@ -66,7 +66,9 @@ class _Item:
     param: torch.Tensor
     group: dict
     spec: MuonSpec
-    u: Optional[torch.Tensor] = None  # full-shape (TP-gathered) Nesterov momentum
+    grad: torch.Tensor  # in the momentum dtype
+    buf: torch.Tensor  # momentum (already updated this step)
+    u: Optional[torch.Tensor] = None  # full-shape NS input, only for TP-gathered parameters
     update: Optional[torch.Tensor] = None  # [num_blocks, m, n] in parameter orientation
 
 
@@ -76,6 +78,7 @@ class _Bucket:
     ns_steps: int
     items: list[int]  # indices into the step's item list
     sizes: list[int]  # blocks contributed by each item
+    stack: Optional[torch.Tensor] = None  # [num_blocks, m, n]: the NS inputs, written in place
 
     @property
     def num_blocks(self) -> int:
@@ -133,8 +136,9 @@ class K3Muon(torch.optim.Optimizer):
 
     ``ns_dtype``: Newton–Schulz compute dtype (default bf16 on CUDA, fp32 on CPU).
     ``ns_fn``: a replacement for ``newton_schulz`` with the same signature (e.g. a Triton
-    kernel). ``stack_max_blocks``: a parameter with at least this many blocks (e.g. an
-    expert stack) is its own batch instead of being copied into a shared stack.
+    kernel). All blocks of one shape form one NS batch; their Nesterov momenta are written
+    straight into one contiguous stack (no copy). ``stack_max_blocks`` (default None): a
+    parameter with at least this many blocks (e.g. an expert stack) gets its own batch.
     """
 
     def __init__(
@@ -145,7 +149,7 @@ class K3Muon(torch.optim.Optimizer):
         tp_group=None,
         ns_dtype: Optional[torch.dtype] = None,
         ns_fn: Optional[Callable[..., torch.Tensor]] = None,
-        stack_max_blocks: int = 64,
+        stack_max_blocks: Optional[int] = None,
     ):
         defaults = dict(
             optimizer="adamw",
@@ -320,14 +324,14 @@ class K3Muon(torch.optim.Optimizer):
                 continue
             mu = group["momentum"]
             torch._foreach_lerp_(bufs, gs, 1.0 - mu)
-            us = torch._foreach_lerp(gs, bufs, mu) if group["nesterov"] else bufs
-            for p, u in zip(ps, us):
-                items.append(_Item(p, group, self._specs[id(p)], u))
+            for p, g, buf in zip(ps, gs, bufs):
+                items.append(_Item(p, group, self._specs[id(p)], g, buf))
         if not items:
             self.last_step_info = {}
             return
         self._tp_gather(items)
         buckets = self._make_buckets(items)
+        self._fill_stacks(items, buckets)
         self._orthogonalize(items, buckets)
         for group in self.param_groups:
             if group["optimizer"] != "muon":
@@ -347,11 +351,20 @@ class K3Muon(torch.optim.Optimizer):
             "ns_blocks_local": self._ns_blocks_local,
         }
 
+    @staticmethod
+    def _nesterov(it: _Item) -> torch.Tensor:
+        """NS input of a parameter: (1 - mu) g + mu m (Nesterov) or m."""
+        if it.group["nesterov"]:
+            return torch.lerp(it.grad, it.buf, it.group["momentum"])
+        return it.buf
+
     def _tp_gather(self, items: list[_Item]) -> None:
         tp = _group_size(self.tp_group)
         todo = [it for it in items if it.spec.gather_dim is not None]
         if tp == 1 or not todo:
             return
+        for it in todo:
+            it.u = self._nesterov(it)
         flat = torch.cat([it.u.reshape(-1) for it in todo])
         out = [torch.empty_like(flat) for _ in range(tp)]
         dist.all_gather(out, flat, group=self.tp_group)
@@ -367,10 +380,10 @@ class K3Muon(torch.optim.Optimizer):
         shared: dict[tuple, _Bucket] = {}
         for i, it in enumerate(items):
             shape, steps, nb = it.spec.canonical_shape, it.group["ns_steps"], it.spec.num_blocks
-            if nb >= self.stack_max_blocks:
+            if self.stack_max_blocks is not None and nb >= self.stack_max_blocks:
                 buckets.append(_Bucket(shape, steps, [i], [nb]))
                 continue
-            key = (shape, steps, it.u.dtype, it.u.device)
+            key = (shape, steps, it.buf.dtype, it.buf.device)
             if key not in shared:
                 shared[key] = _Bucket(shape, steps, [], [])
                 buckets.append(shared[key])
@@ -379,22 +392,34 @@ class K3Muon(torch.optim.Optimizer):
         return buckets
 
     @staticmethod
-    def _canonical_blocks(it: _Item) -> torch.Tensor:
-        blocks = it.spec.blocks(it.u)
-        return blocks.mT if it.spec.transposed else blocks
+    def _canonical(spec: MuonSpec, t: torch.Tensor) -> torch.Tensor:
+        """A full-shape tensor as [num_blocks, m, n] blocks in wide orientation (a view)."""
+        blocks = spec.blocks(t)
+        return blocks.mT if spec.transposed else blocks
 
-    def _bucket_input(self, items: list[_Item], bucket: _Bucket, lo: int, hi: int) -> Optional[torch.Tensor]:
-        """Blocks [lo, hi) of the bucket's virtual stack (a view when they come from one item)."""
-        parts = []
-        start = 0
-        for i, nb in zip(bucket.items, bucket.sizes):
-            a, b = max(lo, start), min(hi, start + nb)
-            if a < b:
-                parts.append(self._canonical_blocks(items[i])[a - start : b - start])
-            start += nb
-        if not parts:
-            return None
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def _fill_stacks(self, items: list[_Item], buckets: list[_Bucket]) -> None:
+        """Write every block's NS input into its bucket's contiguous stack, in one pass per
+        parameter (the Nesterov lerp writes straight into the stack)."""
+        for b in buckets:
+            first = items[b.items[0]].buf
+            b.stack = torch.empty((b.num_blocks, *b.shape), dtype=first.dtype, device=first.device)
+            start = 0
+            for i, nb in zip(b.items, b.sizes):
+                it, dst = items[i], b.stack[start : start + nb]
+                start += nb
+                if it.u is not None:  # TP-gathered full tensor
+                    dst.copy_(self._canonical(it.spec, it.u))
+                elif it.group["nesterov"]:
+                    torch.lerp(self._canonical(it.spec, it.grad), self._canonical(it.spec, it.buf),
+                               it.group["momentum"], out=dst)
+                else:
+                    dst.copy_(self._canonical(it.spec, it.buf))
+                it.u = None
+
+    @staticmethod
+    def _bucket_input(bucket: _Bucket, lo: int, hi: int) -> Optional[torch.Tensor]:
+        """Blocks [lo, hi) of the bucket's stack (a view)."""
+        return bucket.stack[lo:hi] if hi > lo else None
 
     def _ns(self, x: torch.Tensor, bucket: _Bucket) -> torch.Tensor:
         m, n = bucket.shape
@@ -407,14 +432,14 @@ class K3Muon(torch.optim.Optimizer):
         self._ns_blocks_local = sum(b.num_blocks for b in buckets)
         if dp == 1:
             for b in buckets:
-                results.append(self._ns(self._bucket_input(items, b, 0, b.num_blocks), b))
+                results.append(self._ns(self._bucket_input(b, 0, b.num_blocks), b))
         else:
             rank = _group_rank(self.dp_group)
             # the per-call floor is a GPU launch cost; on CPU NS time is all FLOPs
-            overhead = NS_CALL_OVERHEAD if items[0].u.is_cuda else 0.0
+            overhead = NS_CALL_OVERHEAD if items[0].buf.is_cuda else 0.0
             counts = assign_blocks(buckets, dp, overhead)
             self._ns_blocks_local = sum(c[rank] for c in counts)
-            device = items[0].u.device
+            device = items[0].buf.device
             dtype = self.ns_dtype or default_ns_dtype(device)
             mine = []
             totals = [0] * dp
@@ -423,7 +448,7 @@ class K3Muon(torch.optim.Optimizer):
                 for r in range(dp):
                     totals[r] += c[r] * m * n
                 lo = sum(c[:rank])
-                x = self._bucket_input(items, b, lo, lo + c[rank])
+                x = self._bucket_input(b, lo, lo + c[rank])
                 if x is not None:
                     mine.append(self._ns(x, b).reshape(-1))
             send = torch.zeros(max(totals), dtype=dtype, device=device)

@@ -222,3 +222,23 @@ def test_ns_backend_from_config():
     m = StandInModel()
     o = build_muon(m.named_parameters(), {"lr": 0.01, "weight_decay": 0.0, "muon_ns_backend": "torch"})
     assert o.ns_fn is newton_schulz
+
+
+def test_batching_choices_do_not_change_results():
+    # one stack per shape (default) vs big parameters in their own batch vs plain momentum
+    ms = [StandInModel(seed=4) for _ in range(3)]
+    opts = [build_muon(ms[0].named_parameters(), cfg(lr=0.03)),
+            build_muon(ms[1].named_parameters(), cfg(lr=0.03), stack_max_blocks=2)]
+    assert len(opts[1].param_groups[0]["params"]) > 0
+    for s in (1, 2):
+        for m, o in zip(ms[:2], opts):
+            m.set_grads(s)
+            o.step()
+    assert len(opts[1].last_step_info["buckets"]) > len(opts[0].last_step_info["buckets"])
+    for (n, a), (_, b) in zip(ms[0].named_parameters(), ms[1].named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    o = build_muon(ms[2].named_parameters(), cfg(lr=0.03))
+    o.param_groups[0]["nesterov"] = False
+    ms[2].set_grads(1)
+    o.step()
+    assert torch.isfinite(ms[2].q).all() and not torch.equal(ms[2].q, ms[0].q)
