@@ -14,3 +14,17 @@ if _here not in os.environ["PYTHONPATH"].split(os.pathsep):
 if not glob.glob("/dev/nvidia[0-9]*") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Tests use tiny tensors and run two pytest workers on a 2-core CI machine: with 2 OpenMP
+    threads each small op can spin for tens of ms (k3_tiny steps measured 10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -98,7 +98,7 @@ class OptimConfig:
     # Muon (issue 4)
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
-    muon_ns_backend: str = "torch"  # batched Newton–Schulz: "torch" (bmm) or "triton"
+    muon_ns_backend: str = "auto"  # Newton–Schulz: "auto" (Triton for ≤128-row blocks on CUDA), "torch", "triton"
     per_head_groups: list[str] = field(default_factory=lambda: ["kda_qkv", "mla_q_b", "mla_kv_b"])
     qk_clip_tau: Optional[float] = None
 

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from multiprocess import run_ranks
 from k3train.config.schema import OptimConfig
 from k3train.optim.muon import _Bucket, assign_blocks, build_muon
 from k3train.optim.qk_clip import apply_qk_clip

@@ -100,6 +100,6 @@ def _nccl_entry(rank, world, port):
 def test_muon_dp2_nccl_equals_single_rank():
     import torch.multiprocessing as mp
 
-    from dist_utils import free_port
+    from multiprocess import free_port
 
     mp.start_processes(_nccl_entry, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
