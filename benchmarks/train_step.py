@@ -57,7 +57,7 @@ def main() -> None:
             loss = model(x, labels=y)
         loss.backward()
         opt.step()
-        return loss
+        return loss.detach()
 
     for _ in range(args.warmup):
         step()
