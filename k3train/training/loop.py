@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from k3train.config.schema import K3Config
 from k3train.model.k3 import K3Model
+from k3train.model.mla import GatedMLA
 from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.parallel.data_parallel import average_gradients, clip_gradients, global_grad_norm
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
@@ -64,7 +65,7 @@ class Trainer:
             enable_expert_qat(self.model)
         if cfg.optim.qk_clip_tau:
             for m in self.model.modules():
-                if hasattr(m, "track_max_logit"):
+                if isinstance(m, GatedMLA):
                     m.track_max_logit = True
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.optim, self.groups)
