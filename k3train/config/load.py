@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -10,7 +11,8 @@ from omegaconf import OmegaConf
 
 from k3train.config.schema import K3Config
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# The repository's conf/; K3TRAIN_CONF points elsewhere (e.g. for a wheel installed outside a checkout).
+CONF_DIR = Path(os.environ.get("K3TRAIN_CONF", Path(__file__).resolve().parents[2] / "conf"))
 
 
 def register_schema() -> None:
