@@ -251,8 +251,6 @@ def main() -> int:
     res["steps"] = rows
 
     # ---- 2. Newton–Schulz alone, per bucket ------------------------------------------
-    from k3train.optim.muon import K3Muon  # noqa: F401
-
     def buckets_for(per_head_groups):
         shapes = {}
         for name, p in split.muon:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import os
 import re
 import shutil
 import subprocess

@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional

@@ -67,7 +67,6 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads = tp.local(heads, "model.kda_num_heads")
         self.lower_bound = cfg.kda_gate_lower_bound
         self.eps = cfg.rms_norm_eps
-        P_local = self.num_heads * h
 
         what = "model.kda_num_heads*kda_head_dim"
         self.q_proj = tp.column(d, P, what=what, head_group="kda_qkv", head_dim=h)
@@ -90,7 +89,6 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = sharded(init_dt_bias(P), Kind.GATE_PARAM)
         # One head-wise RMSNorm gain shared by all heads (replicated under TP).
         self.o_norm = set_role(nn.Parameter(torch.ones(h)), ParamRole(Kind.NORM))
-        assert self.dt_bias.numel() == P_local
 
     def forward(self, x: torch.Tensor, docs: Documents) -> torch.Tensor:
         B, T, _ = x.shape

@@ -185,9 +185,8 @@ class Trainer:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                         self.train_iter.state_dict(), self.groups, self.cfg.model)
 
-    def fit(self) -> list[dict]:
+    def fit(self) -> None:
         t = self.cfg.train
-        history = []
         last = t.steps if not t.exit_after_steps else min(t.steps, self.step + t.exit_after_steps)
         # SIGTERM (SLURM preemption, a killed job): finish the step, checkpoint, leave.
         stop = {"now": False}
@@ -199,12 +198,10 @@ class Trainer:
                 if not math.isfinite(record["loss"]):
                     raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; the last checkpoint "
                                              f"is intact, lower optim.lr or inspect the data")
-                history.append(record)
                 if self.step % t.log_every == 0 or self.step == 1 or self.step == t.steps:
                     self.logger.log(record)
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     val = {"kind": "eval", "step": self.step, "val_loss": self.evaluate()}
-                    history.append(val)
                     self.logger.log(val)
                 stop_now = self._any_rank(stop["now"])
                 if (t.save_every and self.step % t.save_every == 0) or self.step == last or stop_now:
@@ -215,4 +212,3 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.logger.close()
-        return history

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from k3train.config.load import load_config
 from k3train.config.param_count import count_params

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.mx import (E2M1, E4M3, E5M2, mx_dequantize, mx_fake_quantize, mx_quantize, pack_fp4,
+from kernels.mx import (E2M1, mx_dequantize, mx_fake_quantize, mx_quantize, pack_fp4,
                         unpack_fp4)
 from kernels.mx import reference as R
 from kernels.mx.formats import E2M1_VALUES

@@ -10,7 +10,7 @@ from torch import nn
 
 from k3train.config.schema import OptimConfig
 from k3train.model.roles import Kind, ParamRole, set_role
-from k3train.optim.muon import K3Muon, build_muon
+from k3train.optim.muon import build_muon
 from k3train.optim.newton_schulz import newton_schulz_reference
 from standins import SPECS, StandInModel
 
