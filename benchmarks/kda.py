@@ -162,6 +162,28 @@ SWEEP = [  # overrides of kernels.kda.chunk.CONFIG (defaults first)
 ]
 
 
+def sweep(ours, inputs, cu, do, s):
+    """Per-kernel times for each SWEEP override of chunk.CONFIG at one shape."""
+    from kernels.kda import chunk
+    out = []
+    for ov in SWEEP:
+        saved = dict(chunk.CONFIG)
+        chunk.CONFIG.update(ov)
+        try:
+            prof = profile_kernels(ours, inputs, cu, do)
+            t = bench_impl(ours, inputs, cu, do)
+            out.append(dict(shape=s, config=dict(chunk.CONFIG), fwd_ms=t[0], fwdbwd_ms=t[1],
+                            kernels=prof))
+            ks = {k.split("_kernel")[0][-12:]: round(v, 3) for k, v in prof.items()
+                  if "kda_" in k}
+            print(f"sweep {s} {ov} fwd {t[0]:.3f} fb {t[1]:.3f} {ks}", flush=True)
+        except Exception as e:  # keep sweeping
+            print(f"sweep {s} {ov} FAILED {type(e).__name__}: {str(e)[:200]}")
+        chunk.CONFIG.clear()
+        chunk.CONFIG.update(saved)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
@@ -203,42 +225,32 @@ def main():
                 f"{r.get('fwd_ratio_vs_fla', float('nan')):10.2f}"
                 f"{r.get('fwdbwd_ratio_vs_fla', float('nan')):10.2f}")
     print(hdr, flush=True)
-    for s in args.shapes.split(","):
+    shapes = args.shapes.split(",")
+
+    def setup(s):
         B, T, H, D, docs = parse_shape(s)
         inputs = make(B, T, H, D, dev)
         cu = uneven_cu(T, docs, dev)[0] if docs else None
-        do = torch.randn(B, T, H, D, device=dev, dtype=inputs[0].dtype)
-        fF, fFB = flops(B, T, H, D)
-        bF, bFB = io_bytes(B, T, H, D)
-        print(f"[{time.time() - t_start:6.1f}s] shape {s}", flush=True)
-        if args.check and fla is not None:
-            a = outputs_and_grads(ours, inputs, cu, do)
-            b = outputs_and_grads(fla, inputs, cu, do)
-            names = ["o", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"]
-            c = {n: round(rel(x, y), 5) for n, x, y in zip(names, a, b)}
-            c["shape"] = s
-            checks.append(c)
-            print("ours vs fla rel diff", s, c, flush=True)
-        if args.sweep and s in args.sweep_shapes.split(","):
-            for ov in SWEEP:
-                saved = dict(chunk.CONFIG)
-                chunk.CONFIG.update(ov)
-                try:
-                    prof = profile_kernels(ours, inputs, cu, do)
-                    t = bench_impl(ours, inputs, cu, do)
-                    sweep_rows.append(dict(shape=s, config=dict(chunk.CONFIG), fwd_ms=t[0],
-                                           fwdbwd_ms=t[1], kernels=prof))
-                    ks = {k.split("_kernel")[0][-12:]: round(v, 3) for k, v in prof.items()
-                          if "kda_" in k}
-                    print(f"sweep {s} {ov} fwd {t[0]:.3f} fb {t[1]:.3f} {ks}", flush=True)
-                except Exception as e:  # keep sweeping
-                    print(f"sweep {s} {ov} FAILED {type(e).__name__}: {str(e)[:200]}")
-                chunk.CONFIG.clear()
-                chunk.CONFIG.update(saved)
-        for name, fn in (("ours", ours), ("fla", fla)):
-            if fn is None:
-                continue
+        do = torch.randn(B, T, H, D, device=dev, dtype=inputs[0].dtype,
+                         generator=torch.Generator(device=dev).manual_seed(1))
+        return (B, T, H, D, docs), inputs, cu, do
+
+    def dump():  # incremental, in case the run is cut short
+        with open(args.json, "w") as fh:
+            json.dump(dict(info=info, rows=rows, checks=checks, sweep=sweep_rows), fh, indent=1)
+
+    # Ours on every shape first, then fla on every shape (fla autotunes on its first call per
+    # shape class, which can take minutes on a fresh machine): a run cut short still has ours.
+    for name, fn in (("ours", ours), ("fla", fla)):
+        if fn is None:
+            continue
+        for s in shapes:
+            (B, T, H, D, docs), inputs, cu, do = setup(s)
+            fF, fFB = flops(B, T, H, D)
+            bF, bFB = io_bytes(B, T, H, D)
             print(f"[{time.time() - t_start:6.1f}s] timing {name} {s}", flush=True)
+            if name == "ours" and args.sweep and s in args.sweep_shapes.split(","):
+                sweep_rows.extend(sweep(ours, inputs, cu, do, s))
             t_f, t_fb = bench_impl(fn, inputs, cu, do)
             row = dict(shape=s, impl=name, B=B, T=T, H=H, D=D, docs=docs, fwd_ms=t_f,
                        fwdbwd_ms=t_fb, fwd_Mtok_s=B * T / t_f / 1e3,
@@ -249,25 +261,35 @@ def main():
                 row["kernels"] = profile_kernels(fn, inputs, cu, do)
                 print("kernels", s, {k: round(v, 3) for k, v in row["kernels"].items()},
                       flush=True)
+            mine = [r for r in rows if r["impl"] == "ours" and r["shape"] == s]
+            if name == "fla" and mine:
+                mine[0]["fwd_ratio_vs_fla"] = t_f / mine[0]["fwd_ms"]
+                mine[0]["fwdbwd_ratio_vs_fla"] = t_fb / mine[0]["fwdbwd_ms"]
+                print(line(mine[0]), flush=True)
             rows.append(row)
-            if name == "fla" and rows[-2]["impl"] == "ours" and rows[-2]["shape"] == s:
-                rows[-2]["fwd_ratio_vs_fla"] = t_f / rows[-2]["fwd_ms"]
-                rows[-2]["fwdbwd_ratio_vs_fla"] = t_fb / rows[-2]["fwdbwd_ms"]
-                print(line(rows[-2]), flush=True)
-            if name == "fla" or fla is None:
-                print(line(row), flush=True)
-        del inputs, do
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-        with open(args.json, "w") as fh:  # incremental, in case the run is cut short
-            json.dump(dict(info=info, rows=rows, checks=checks, sweep=sweep_rows), fh, indent=1)
+            print(line(row), flush=True)
+            del inputs, do
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            dump()
+    if args.check and fla is not None:
+        for s in shapes:
+            _, inputs, cu, do = setup(s)
+            a = outputs_and_grads(ours, inputs, cu, do)
+            b = outputs_and_grads(fla, inputs, cu, do)
+            names = ["o", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"]
+            c = {n: round(rel(x, y), 5) for n, x, y in zip(names, a, b)}
+            c["shape"] = s
+            checks.append(c)
+            print("ours vs fla rel diff", s, c, flush=True)
+            del a, b, inputs, do
+            dump()
     print(f"\nKDA on {info['gpu']} (torch {info['torch']}, triton {info['triton']}); bf16, "
           f"D=K=V, safe gate lb=-5; ceilings {PEAK_TFLOPS} TFLOP/s, {PEAK_TBPS} TB/s")
     print(hdr)
     for r in rows:
         print(line(r))
-    with open(args.json, "w") as fh:
-        json.dump(dict(info=info, rows=rows, checks=checks, sweep=sweep_rows), fh, indent=1)
+    dump()
     print(f"wrote {args.json}")
 
 
