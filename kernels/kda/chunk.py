@@ -50,12 +50,15 @@ CONFIG = {
     "bwd_h_warps": 4,
     "bwd_h_stages": 2,
     "bwd_bv": 32,         # V tile looped over inside the parallel backward kernel
-    "bwd_warps": 8,
+    "bwd_warps": 4,       # 2 CTAs per SM (255 registers); 8 warps ran 1.9x slower
     "bwd_bke": 16,            # key-channel block of the backward epilogue
     "inv_prec": "ieee",       # (I + A)^-1 merges and -X^T dX X^T: plain fp32 FMA
-    "grad_prec": "tf32x3",    # intra-chunk backward dots feeding dg: fp32 operands,
-                              # 3-pass tf32 (~fp32); "bf16" = one bf16 tensor-core pass
+    "grad_prec": "bf16",      # intra-chunk backward dots feeding dg: bf16 operands (RNE),
+                              # one tensor-core pass; or fp32 operands with "tf32x3" (~fp32),
+                              # "tf32" (one pass; operands truncated, which biases the
+                              # dA_log / dt_bias sums: 3e-2 rel. error at 2x2048x8) or "ieee"
 }
+GRAD_PREC = {"tf32x3": "tf32x3", "tf32": "tf32", "ieee": "ieee"}
 
 
 def _interpret() -> bool:
@@ -280,16 +283,18 @@ def kda_bwd_h_kernel(Wk, Qd, Ke, Mqk, GL, dht, do, dh, dW, dh0,
 def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
                    chunk_seq, chunk_bos, cu,
                    Wk, U, Xinv, h, dh, dW, do,
-                   dq, dk, dv, dg, dbeta, dA_part, ddt_part, scr,
+                   dq, dk, dv, dg, dbeta, dA_part, ddt_part, scr, wscr,
                    lower_bound, scale,
                    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, BKE: tl.constexpr, USE_L2: tl.constexpr,
                    DT: tl.constexpr, GP: tl.constexpr, GPREC: tl.constexpr,
                    INV_PREC: tl.constexpr):
-    """Per-chunk backward.  Phase 1 contracts over V with full-K tiles; phase 2 walks the
-    key channels in blocks of BKE (everything there is per-channel except three row/C x C
-    sums, accumulated), so few C x K tensors are ever live; the V-phase accumulators and
-    the pre-L2-norm gradients pass through a per-program fp32 scratch (L2-resident)."""
+    """Per-chunk backward.  Phase 1 contracts over V with full-K tiles (W - k~ S0, R, dv,
+    dM, dT) and keeps W - k~ S0 and dR in a per-program bf16 scratch [2C, V]; phase 2 walks
+    the key channels in blocks of BKE, contracting over V for that block only (dq~, dk~,
+    dke, d e^{G_C}), so no C x K accumulator is live across a loop; everything else there
+    is per channel except three row / C x C sums.  Phase 3 applies the L2-norm backward
+    to the pre-norm gradients that phase 2 left in an fp32 scratch [2C, BK]."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     n = tl.load(chunk_seq + i_c)
@@ -312,17 +317,12 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
     bWk = tl.load(Wk + okc).to(DT)
     dM = tl.zeros([C, C], dtype=tl.float32)
     dT = tl.zeros([C, C], dtype=tl.float32)
-    dQd = tl.zeros([C, BK], dtype=tl.float32)
-    dKd = tl.zeros([C, BK], dtype=tl.float32)
-    dKe = tl.zeros([C, BK], dtype=tl.float32)
-    dgl = tl.zeros([BK], dtype=tl.float32)
+    wbase = base * (2 * C * V)  # per-program bf16 scratch: W - k~ S0 and dR, [C, V] each
     for iv in range(0, (V + BV - 1) // BV):
         cv = iv * BV + tl.arange(0, BV)
         vm = cv < V
         S0 = tl.load(h + base * (BK * V) + ck[:, None] * V + cv[None, :], mask=vm[None, :],
                      other=0.).to(DT)
-        dSC = tl.load(dh + base * (BK * V) + ck[:, None] * V + cv[None, :], mask=vm[None, :],
-                      other=0.).to(DT)
         cvo = base * (C * V) + r[:, None] * V + cv[None, :]
         bU = tl.load(U + cvo, mask=vm[None, :], other=0.).to(tl.float32)
         bdW = tl.load(dW + cvo, mask=vm[None, :], other=0.).to(DT)
@@ -332,20 +332,14 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         bv = tl.load(v + tv, mask=m2, other=0.).to(tl.float32)
         WD = (bU - tl.dot(bWk, S0)).to(DT)
         dM += tl.dot(bdo, tl.trans(WD))
-        dQd += tl.dot(bdo, tl.trans(S0))
-        dKe += tl.dot(WD, tl.trans(dSC))
-        dgl += tl.reduce(S0.to(tl.float32) * dSC.to(tl.float32), 1, _sum_combine)
         dR = tl.dot(tl.trans(TmD), bdW)
         tl.store(dv + tv, dR.to(dv.dtype.element_ty), mask=m2)
         R = bv - tl.dot(KdD, S0)
         dT += tl.dot(bdW, tl.trans(R.to(DT)))
-        dKd -= tl.dot(dR.to(DT), tl.trans(S0))
-    sbase = base * ((3 * C + 1) * BK)
-    so = r[:, None] * BK + ck[None, :]
-    tl.store(scr + sbase + so, dQd)
-    tl.store(scr + sbase + C * BK + so, dKd)
-    tl.store(scr + sbase + 2 * C * BK + so, dKe)
-    tl.store(scr + sbase + 3 * C * BK + ck, dgl)
+        wo = wbase + r[:, None] * V + cv[None, :]
+        tl.store(wscr + wo, WD, mask=vm[None, :])
+        tl.store(wscr + C * V + wo, dR.to(DT), mask=vm[None, :])
+    sbase = base * (2 * C * BK)
     # ---- C x C part: T = X diag(beta), X = (I + A)^-1
     incl = r[:, None] >= r[None, :]
     strict = r[:, None] > r[None, :]
@@ -392,10 +386,27 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         dqs = dQi * e_in
         dkn = dKi * e_in + dKh * e_out
         dG = dQi * Qi.to(tl.float32) + dKi * Ki.to(tl.float32) - dKh * Kh.to(tl.float32)
+        # contractions over V for this key block: do S0^T, -dR S0^T, (W - k~ S0) dS_C^T
+        bdQd = tl.zeros([C, BKE], dtype=tl.float32)
+        bdKd = tl.zeros([C, BKE], dtype=tl.float32)
+        bdKe = tl.zeros([C, BKE], dtype=tl.float32)
+        dgl = tl.zeros([BKE], dtype=tl.float32)
+        for iv in range(0, (V + BV - 1) // BV):
+            cv = iv * BV + tl.arange(0, BV)
+            vm = cv < V
+            hv = base * (BK * V) + ce[:, None] * V + cv[None, :]
+            S0 = tl.load(h + hv, mask=vm[None, :], other=0.).to(DT)
+            dSC = tl.load(dh + hv, mask=vm[None, :], other=0.).to(DT)
+            tv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+            bdo = tl.load(do + tv, mask=rv[:, None] & vm[None, :], other=0.).to(DT)
+            wo = wbase + r[:, None] * V + cv[None, :]
+            WD = tl.load(wscr + wo, mask=vm[None, :], other=0.)
+            dR = tl.load(wscr + C * V + wo, mask=vm[None, :], other=0.)
+            bdQd += tl.dot(bdo, tl.trans(S0))
+            bdKd -= tl.dot(dR, tl.trans(S0))
+            bdKe += tl.dot(WD, tl.trans(dSC))
+            dgl += tl.reduce(S0.to(tl.float32) * dSC.to(tl.float32), 1, _sum_combine)
         sob = r[:, None] * BK + ce[None, :]
-        bdQd = tl.load(scr + sbase + sob)
-        bdKd = tl.load(scr + sbase + C * BK + sob)
-        bdKe = tl.load(scr + sbase + 2 * C * BK + sob)
         e_G = tl.exp(G)
         dqs += bdQd * e_G
         dkn += bdKd * e_G
@@ -404,8 +415,7 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         dkn += bdKe * e_E
         dKeKe = bdKe * kb_ * e_E
         dG -= dKeKe
-        dgC = tl.reduce(dKeKe, 0, _sum_combine) + \
-            tl.exp(g_last) * tl.load(scr + sbase + 3 * C * BK + ce)
+        dgC = tl.reduce(dKeKe, 0, _sum_combine) + tl.exp(g_last) * dgl
         dG += tl.where(r[:, None] == C - 1, dgC[None, :], 0.)
         dgate = tl.reduce(dG, 0, _sum_combine)[None, :] - tl.associative_scan(dG, 0, _sum_combine) + dG
         dx = tl.where(m2k, dgate * (lower_bound * sg) * (1. - sg), 0.)
@@ -416,8 +426,6 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         dqn = dqs * scale
         sq += tl.reduce(bq * rq[:, None] * dqn, 1, _sum_combine)
         sk += tl.reduce(kb_ * dkn, 1, _sum_combine)
-        # every thread has read this block's dQd / dKd before anyone overwrites them
-        tl.debug_barrier()
         tl.store(scr + sbase + sob, dqn)
         tl.store(scr + sbase + C * BK + sob, dkn)
     tl.store(dA_part + base, tl.reduce(dAl, 0, _sum_combine))
@@ -535,9 +543,9 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     dev = q.device
     DT = _dot_dtype(q)
     if CONFIG["grad_prec"] == "bf16" and DT == tl.bfloat16:
-        GP, GPREC = tl.bfloat16, "tf32"
+        GP, GPREC = tl.bfloat16, "tf32"  # (input_precision is moot for bf16 operands)
     else:
-        GP, GPREC = tl.float32, ("tf32x3" if CONFIG["grad_prec"] == "tf32x3" else "ieee")
+        GP, GPREC = tl.float32, GRAD_PREC.get(CONFIG["grad_prec"], "tf32x3")
     do = do.contiguous()
     dhs = torch.empty_like(hs)
     dW = torch.empty_like(U)
@@ -556,11 +564,12 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     db = torch.empty_like(beta)
     dA_part = torch.empty(NC, H, device=dev, dtype=torch.float32)
     ddt_part = torch.empty(NC, H, BK, device=dev, dtype=torch.float32)
-    scr = torch.empty(NC, H, 3 * C + 1, BK, device=dev, dtype=torch.float32)
+    scr = torch.empty(NC, H, 2 * C, BK, device=dev, dtype=torch.float32)
+    wscr = torch.empty(NC, H, 2 * C, V, device=dev, dtype=_store_dtype(q))
     BKE = min(CONFIG["bwd_bke"], BK)
     kda_bwd_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
                             Wk, U, X, hs, dhs, dW, do,
-                            dq, dk, dv, dg, db, dA_part, ddt_part, scr,
+                            dq, dk, dv, dg, db, dA_part, ddt_part, scr, wscr,
                             float(lower_bound), float(scale),
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, USE_L2=use_l2, DT=DT,
                             GP=GP, GPREC=GPREC, INV_PREC=CONFIG["inv_prec"],
