@@ -40,8 +40,8 @@ from triton.language.standard import _sum_combine
 CHUNK = 32
 L2_EPS = 1e-6
 
-# Launch configuration.  Defaults: run-1 timings on the H200 plus ptxas spill counts
-# (docs/kda_notes.md); benchmarks/kda.py --sweep times the alternatives.
+# Launch configuration.  Defaults: H200 sweeps (docs/kda_notes.md) plus ptxas spill counts;
+# benchmarks/kda.py --sweep times the alternatives and gates each on accuracy.
 CONFIG = {
     "prep_warps": 4,      # kda_prep_kernel
     "seq_bv": 64,         # V tile of the sequential kernels (grid splits V)
@@ -50,7 +50,8 @@ CONFIG = {
     "bwd_h_warps": 4,
     "bwd_h_stages": 2,
     "bwd_bv": 32,         # V tile looped over inside the parallel backward kernel
-    "bwd_warps": 4,       # 2 CTAs per SM (255 registers); 8 warps ran 1.9x slower
+    "bwd_warps": 2,       # 255 registers: 4 CTAs per SM; 4 warps ran 1.28x, 8 warps 2.5x
+                          # slower (H200 sweeps, docs/kda_notes.md runs 4-5)
     "bwd_bke": 16,            # key-channel block of the backward epilogue
     "inv_prec": "ieee",       # (I + A)^-1 merges and -X^T dX X^T: plain fp32 FMA
     "grad_prec": "bf16",      # intra-chunk backward dots feeding dg: bf16 operands (RNE),
