@@ -213,7 +213,7 @@ def warm(ours, dev):
 
 def sweep(ours, shapes, setup, dev):
     """Accuracy and time of each SWEEP override of chunk.CONFIG; returns the rows and the
-    fastest override (fwd+bwd at the first shape) that passes the accuracy gate."""
+    fastest override (fwd+bwd at the first shape) that passes the accuracy gate, or None."""
     from kernels.kda import chunk
     out, best = [], None
     defaults = dict(chunk.CONFIG)
@@ -241,7 +241,7 @@ def sweep(ours, shapes, setup, dev):
             print(f"sweep {ov} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     chunk.CONFIG.clear()
     chunk.CONFIG.update(defaults)
-    return out, (best[1] if best else {})
+    return out, (best[1] if best else None)
 
 
 def main():
@@ -323,7 +323,10 @@ def main():
             warm_in_parallel([{**json.loads(args.config or "{}"), **ov} for ov in SWEEP],
                              args.warm_jobs)
         sweep_rows, best = sweep(ours, args.sweep_shapes.split(","), setup, dev)
-        chunk.CONFIG.update(best)
+        if best is None:
+            print("!! no swept config passed the accuracy gate; the table uses the defaults",
+                  flush=True)
+        chunk.CONFIG.update(best or {})
         info["config"] = dict(chunk.CONFIG)
         print(f"[{time.time() - t_start:6.1f}s] table uses the fastest passing config: "
               f"{best} -> {chunk.CONFIG}", flush=True)
