@@ -185,48 +185,69 @@ def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
 
 
 @triton.jit
-def kda_fwd_kernel(Wk, U, Qd, Ke, Mqk, GL, h0, o, h, ht,
-                   chunk_off, chunk_bos, cu,
-                   H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
-                   STORE_FINAL: tl.constexpr, DT: tl.constexpr):
+def _scan_start(state0, HAS_STATE: tl.constexpr, chunk_off, cu, H, K: tl.constexpr,
+                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Program (sequence i_n, head i_h, V tile i_v) of a sequential scan: its [BK, BV] state
+    tile (state0 or zeros, fp32), the state's offsets and mask, and its chunk range."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    r = tl.arange(0, C)
     ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
+    cv = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = cv < V
-    km = ck < K
-    sm = km[:, None] & vm[None, :]
+    sm = (ck < K)[:, None] & vm[None, :]
     s_off = (i_n * H + i_h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + s_off, mask=sm, other=0.).to(tl.float32)
+    if HAS_STATE:
+        S = tl.load(state0 + s_off, mask=sm, other=0.).to(tl.float32)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
     c0 = tl.load(chunk_off + i_n)
     c1 = tl.load(chunk_off + i_n + 1)
     eos = tl.load(cu + i_n + 1)
+    return i_h, ck, cv, vm, sm, s_off, S, c0, c1, eos
+
+
+@triton.jit
+def _scan_step_tiles(c, i_h, S, states, Wk, Qd, Ke, Mqk, GL, chunk_bos, eos, ck, cv, vm,
+                     H, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """Chunk c of a scan: store the state entering it (h or dh), load its prep tiles
+    (Wk, q~, ke [C, BK], M [C, C], e^{G_C} [BK]) and its token rows."""
+    r = tl.arange(0, C)
+    base = (c * H + i_h).to(tl.int64)
+    tl.store(states + base * (BK * V) + ck[:, None] * V + cv[None, :],
+             S.to(states.dtype.element_ty), mask=vm[None, :])
+    okc = base * (C * BK) + r[:, None] * BK + ck[None, :]
+    bWk = tl.load(Wk + okc)
+    bQd = tl.load(Qd + okc)
+    bKe = tl.load(Ke + okc)
+    bM = tl.load(Mqk + base * (C * C) + r[:, None] * C + r[None, :])
+    gl = tl.load(GL + base * BK + ck)
+    bos = tl.load(chunk_bos + c)
+    rows = (bos + r).to(tl.int64)[:, None] * (H * V) + i_h * V + cv[None, :]
+    rmask = ((bos + r) < eos)[:, None] & vm[None, :]
+    return base, bWk, bQd, bKe, bM, gl, rows, rmask
+
+
+@triton.jit
+def kda_fwd_kernel(Wk, U, Qd, Ke, Mqk, GL, h0, o, h, ht,
+                   chunk_off, chunk_bos, cu,
+                   H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+                   STORE_FINAL: tl.constexpr, DT: tl.constexpr):
+    """Forward scan over the chunks of one sequence: S_C = e^{G_C} S0 + ke^T W with
+    W = U - Wk S0, O = q~ S0 + M W; stores each chunk's entering state in h (bf16)."""
+    i_h, ck, cv, vm, sm, s_off, S, c0, c1, eos = _scan_start(h0, HAS_H0, chunk_off, cu, H, K,
+                                                              V, BK, BV)
+    r = tl.arange(0, C)
     for c in range(c0, c1):
-        base = (c * H + i_h).to(tl.int64)
-        tl.store(h + base * (BK * V) + ck[:, None] * V + cv[None, :], S.to(h.dtype.element_ty),
-                 mask=vm[None, :])
-        okc = base * (C * BK) + r[:, None] * BK + ck[None, :]
-        bWk = tl.load(Wk + okc)
-        bQd = tl.load(Qd + okc)
-        bKe = tl.load(Ke + okc)
-        bM = tl.load(Mqk + base * (C * C) + r[:, None] * C + r[None, :])
+        base, bWk, bQd, bKe, bM, gl, rows, rmask = _scan_step_tiles(
+            c, i_h, S, h, Wk, Qd, Ke, Mqk, GL, chunk_bos, eos, ck, cv, vm, H, V, C, BK)
         bU = tl.load(U + base * (C * V) + r[:, None] * V + cv[None, :], mask=vm[None, :],
                      other=0.).to(tl.float32)
-        gl = tl.load(GL + base * BK + ck)
         Sb = S.to(DT)
         W = bU - tl.dot(bWk.to(DT), Sb)
         Wb = W.to(DT)
         O = tl.dot(bQd.to(DT), Sb) + tl.dot(bM.to(DT), Wb)
-        bos = tl.load(chunk_bos + c)
-        rv = (bos + r) < eos
-        tl.store(o + (bos + r).to(tl.int64)[:, None] * (H * V) + i_h * V + cv[None, :],
-                 O.to(o.dtype.element_ty), mask=rv[:, None] & vm[None, :])
+        tl.store(o + rows, O.to(o.dtype.element_ty), mask=rmask)
         S = gl[:, None] * S + tl.dot(tl.trans(bKe.to(DT)), Wb)
     if STORE_FINAL:
         tl.store(ht + s_off, S, mask=sm)
@@ -238,38 +259,16 @@ def kda_bwd_h_kernel(Wk, Qd, Ke, Mqk, GL, dht, do, dh, dW, dh0,
                      H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
                      STORE_DH0: tl.constexpr, DT: tl.constexpr):
-    i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    """Reverse scan of dS: dW = M^T dO + ke dS_C, dS0 = e^{G_C} dS_C + q~^T dO - Wk^T dW;
+    stores each chunk's dS_C in dh (bf16) and dW."""
+    i_h, ck, cv, vm, sm, s_off, dS, c0, c1, eos = _scan_start(dht, HAS_DHT, chunk_off, cu, H,
+                                                               K, V, BK, BV)
     r = tl.arange(0, C)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    vm = cv < V
-    km = ck < K
-    sm = km[:, None] & vm[None, :]
-    s_off = (i_n * H + i_h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :]
-    if HAS_DHT:
-        dS = tl.load(dht + s_off, mask=sm, other=0.).to(tl.float32)
-    else:
-        dS = tl.zeros([BK, BV], dtype=tl.float32)
-    c0 = tl.load(chunk_off + i_n)
-    c1 = tl.load(chunk_off + i_n + 1)
-    eos = tl.load(cu + i_n + 1)
     for j in range(0, c1 - c0):
         c = c1 - 1 - j
-        base = (c * H + i_h).to(tl.int64)
-        tl.store(dh + base * (BK * V) + ck[:, None] * V + cv[None, :], dS.to(dh.dtype.element_ty),
-                 mask=vm[None, :])
-        okc = base * (C * BK) + r[:, None] * BK + ck[None, :]
-        bWk = tl.load(Wk + okc)
-        bQd = tl.load(Qd + okc)
-        bKe = tl.load(Ke + okc)
-        bM = tl.load(Mqk + base * (C * C) + r[:, None] * C + r[None, :])
-        gl = tl.load(GL + base * BK + ck)
-        bos = tl.load(chunk_bos + c)
-        rv = (bos + r) < eos
-        bdo = tl.load(do + (bos + r).to(tl.int64)[:, None] * (H * V) + i_h * V + cv[None, :],
-                      mask=rv[:, None] & vm[None, :], other=0.).to(DT)
+        base, bWk, bQd, bKe, bM, gl, rows, rmask = _scan_step_tiles(
+            c, i_h, dS, dh, Wk, Qd, Ke, Mqk, GL, chunk_bos, eos, ck, cv, vm, H, V, C, BK)
+        bdo = tl.load(do + rows, mask=rmask, other=0.).to(DT)
         dSb = dS.to(DT)
         bdW = tl.dot(tl.trans(bM.to(DT)), bdo) + tl.dot(bKe.to(DT), dSb)
         dWb = bdW.to(DT)
