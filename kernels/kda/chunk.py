@@ -59,7 +59,6 @@ CONFIG = {
                               # "tf32" (one pass; operands truncated, which biases the
                               # dA_log / dt_bias sums: 3e-2 rel. error at 2x2048x8) or "ieee"
 }
-GRAD_PREC = {"tf32x3": "tf32x3", "tf32": "tf32", "ieee": "ieee"}
 
 
 def _interpret() -> bool:
@@ -542,10 +541,13 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     N = off.numel() - 1
     dev = q.device
     DT = _dot_dtype(q)
-    if CONFIG["grad_prec"] == "bf16" and DT == tl.bfloat16:
+    prec = CONFIG["grad_prec"]
+    if prec not in ("bf16", "tf32x3", "tf32", "ieee"):
+        raise ValueError(f"CONFIG['grad_prec'] = {prec!r}: use bf16, tf32x3, tf32 or ieee")
+    if prec == "bf16" and DT == tl.bfloat16:
         GP, GPREC = tl.bfloat16, "tf32"  # (input_precision is moot for bf16 operands)
-    else:
-        GP, GPREC = tl.float32, GRAD_PREC.get(CONFIG["grad_prec"], "tf32x3")
+    else:  # fp32 operands (fp32 inputs take tf32x3 where bf16 was asked for)
+        GP, GPREC = tl.float32, ("tf32x3" if prec == "bf16" else prec)
     do = do.contiguous()
     dhs = torch.empty_like(hs)
     dW = torch.empty_like(U)
