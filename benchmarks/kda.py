@@ -161,9 +161,10 @@ def profile_kernels(fn, inputs, cu, do, iters=5):
 
 SWEEP = [  # overrides of kernels.kda.chunk.CONFIG (defaults first)
     dict(),
-    dict(bwd_warps=2),                             # 4 CTAs per SM in the backward kernel
+    dict(bwd_warps=4),                             # 2 CTAs per SM in the backward kernel
     dict(bwd_bv=16),                               # smaller V tile in the backward kernel
     dict(grad_prec="tf32x3"),                      # ~fp32 dg-feeding dots
+    dict(prep_warps=8),                            # the prep kernel is next (2.15 ms)
 ]
 ACC_SHAPE = (2, 2048, 8, 128)   # accuracy gate of a swept config (the GPU test's shape)
 ACC_LIMITS = {"o": 1e-2}        # every gradient: 2e-2 (tests/kernels/test_kda_kernels.py)
