@@ -122,6 +122,16 @@ def _tri_inverse(A, r, C: tl.constexpr, INV_PREC: tl.constexpr):
 
 
 @triton.jit
+def _chunk_program(chunk_seq, chunk_bos, cu):
+    """Program (chunk i_c, head i_h) of a per-chunk kernel: the chunk's first token and its
+    valid length (< C for a document's last chunk)."""
+    i_c = tl.program_id(0)
+    n = tl.load(chunk_seq + i_c)
+    bos = tl.load(chunk_bos + i_c)
+    return i_c, tl.program_id(1), bos, tl.load(cu + n + 1) - bos
+
+
+@triton.jit
 def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
                     chunk_seq, chunk_bos, cu,
                     Wk, U, Qd, Ke, Mqk, Xinv, GL,
@@ -129,12 +139,7 @@ def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
                     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
                     DT: tl.constexpr, INV_PREC: tl.constexpr):
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    n = tl.load(chunk_seq + i_c)
-    bos = tl.load(chunk_bos + i_c)
-    eos = tl.load(cu + n + 1)
-    ln = eos - bos
+    i_c, i_h, bos, ln = _chunk_program(chunk_seq, chunk_bos, cu)
     qs, kn, x, sig, gate, bb, rq, rk, qn, a = _load_chunk_inputs(
         q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
     r = tl.arange(0, C)
@@ -294,12 +299,7 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
     dke, d e^{G_C}), so no C x K accumulator is live across a loop; everything else there
     is per channel except three row / C x C sums.  Phase 3 applies the L2-norm backward
     to the pre-norm gradients that phase 2 left in an fp32 scratch [2C, BK]."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    n = tl.load(chunk_seq + i_c)
-    bos = tl.load(chunk_bos + i_c)
-    eos = tl.load(cu + n + 1)
-    ln = eos - bos
+    i_c, i_h, bos, ln = _chunk_program(chunk_seq, chunk_bos, cu)
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
     rv = r < ln
