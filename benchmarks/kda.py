@@ -164,7 +164,8 @@ SWEEP = [  # overrides of kernels.kda.chunk.CONFIG (defaults first)
     dict(bwd_warps=4),                             # 2 CTAs per SM in the backward kernel
     dict(bwd_bv=16),                               # smaller V tile in the backward kernel
     dict(grad_prec="tf32x3"),                      # ~fp32 dg-feeding dots
-    dict(prep_warps=8),                            # the prep kernel is next (2.15 ms)
+    dict(prep_inv_prec="ieee"),                    # fp32 FMA merges in the inverse
+    dict(seq_bv=64),                               # scans: V split in two at every shape
 ]
 ACC_SHAPE = (2, 2048, 8, 128)   # accuracy gate of a swept config (the GPU test's shape)
 ACC_LIMITS = {"o": 1e-2}        # every gradient: 2e-2 (tests/kernels/test_kda_kernels.py)
@@ -212,13 +213,13 @@ def warm(ours, dev):
     torch.cuda.synchronize()
 
 
-def sweep(ours, shapes, setup, dev):
-    """Accuracy and time of each SWEEP override of chunk.CONFIG; returns the rows and the
-    fastest override (fwd+bwd at the first shape) that passes the accuracy gate, or None."""
+def sweep(ours, shapes, setup, dev, configs):
+    """Accuracy and time of each override of chunk.CONFIG in configs; returns the rows and
+    the fastest override (fwd+bwd at the first shape) that passes the accuracy gate, or None."""
     from kernels.kda import chunk
     out, best = [], None
     defaults = dict(chunk.CONFIG)
-    for ov in SWEEP:
+    for ov in configs:
         chunk.CONFIG.clear()
         chunk.CONFIG.update(defaults, **ov)
         try:
@@ -256,6 +257,8 @@ def main():
                     help="accuracy + time of each SWEEP config; the table then uses the "
                          "fastest config that passes the accuracy gate")
     ap.add_argument("--sweep-shapes", default="8x4096x32x128,1x8192x96x128")
+    ap.add_argument("--sweep-configs", default="",
+                    help="json list of CONFIG overrides to sweep instead of SWEEP")
     ap.add_argument("--warm-jobs", type=int, default=0,
                     help="compile the swept configs first in this many parallel processes")
     ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
@@ -320,10 +323,11 @@ def main():
         print(f"[{time.time() - t_start:6.1f}s] fla warm done", flush=True)
         return
     if args.sweep:
+        configs = json.loads(args.sweep_configs) if args.sweep_configs else SWEEP
         if args.warm_jobs:
-            warm_in_parallel([{**json.loads(args.config or "{}"), **ov} for ov in SWEEP],
+            warm_in_parallel([{**json.loads(args.config or "{}"), **ov} for ov in configs],
                              args.warm_jobs)
-        sweep_rows, best = sweep(ours, args.sweep_shapes.split(","), setup, dev)
+        sweep_rows, best = sweep(ours, args.sweep_shapes.split(","), setup, dev, configs)
         if best is None:
             print("!! no swept config passed the accuracy gate; the table uses the defaults",
                   flush=True)

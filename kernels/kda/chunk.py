@@ -44,16 +44,17 @@ L2_EPS = 1e-6
 # benchmarks/kda.py --sweep times the alternatives and gates each on accuracy.
 CONFIG = {
     "prep_warps": 4,      # kda_prep_kernel
-    "seq_bv": 64,         # V tile of the sequential kernels (grid splits V)
-    "fwd_warps": 4,
-    "fwd_stages": 2,
-    "bwd_h_warps": 4,
-    "bwd_h_stages": 2,
+    "seq_bv": None,       # V tile of the two scans (grid N x H x V/seq_bv); None: 128 when
+                          # there are at least as many sequence-heads as SMs, else 64
+    "seq_warps": None,    # None: seq_bv / 16
+    "seq_stages": 3,
     "bwd_bv": 32,         # V tile looped over inside the parallel backward kernel
     "bwd_warps": 2,       # 255 registers: 4 CTAs per SM; 4 warps ran 1.28x, 8 warps 2.5x
                           # slower (H200 sweeps, docs/kda_notes.md runs 4-5)
     "bwd_bke": 16,            # key-channel block of the backward epilogue
-    "inv_prec": "ieee",       # (I + A)^-1 merges and -X^T dX X^T: plain fp32 FMA
+    "prep_inv_prec": "tf32x3",  # (I + A)^-1 block merges: 3-pass tf32 (~fp32), 0.2 ms
+                                # faster than FMA ("ieee") in prep at 8x4096x32
+    "bwd_inv_prec": "ieee",     # -X^T dX X^T: fp32 FMA, 0.17 ms faster than tf32x3 there
     "grad_prec": "bf16",      # intra-chunk backward dots feeding dg: bf16 operands (RNE),
                               # one tensor-core pass; or fp32 operands with "tf32x3" (~fp32),
                               # "tf32" (one pass; operands truncated, which biases the
@@ -74,6 +75,9 @@ def _interpret() -> bool:
 def _load_chunk_inputs(q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale,
                        H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                        USE_L2: tl.constexpr):
+    """One chunk's activated inputs, fp32: scale * q / |q| and k / |k| [C, BK], the gate
+    lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) [C, BK] (0 on padding), sigmoid(b),
+    1/|q| and 1/|k| [C]."""
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
     rv = r < ln
@@ -96,9 +100,7 @@ def _load_chunk_inputs(q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound,
     else:
         rq = tl.full([C], 1.0, tl.float32)
         rk = tl.full([C], 1.0, tl.float32)
-    qn = bq * rq[:, None]
-    kn = bk * rk[:, None]
-    return qn * scale, kn, x, sig, gate, beta_s, rq, rk, qn, a
+    return bq * (rq * scale)[:, None], bk * rk[:, None], gate, beta_s, rq, rk
 
 
 @triton.jit
@@ -134,13 +136,13 @@ def _chunk_program(chunk_seq, chunk_bos, cu):
 @triton.jit
 def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
                     chunk_seq, chunk_bos, cu,
-                    Wk, U, Qd, Ke, Mqk, Xinv, GL,
+                    Wk, U, Qd, Ke, Kd, Mqk, Xinv, GS, RS,
                     lower_bound, scale,
                     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
                     DT: tl.constexpr, INV_PREC: tl.constexpr):
     i_c, i_h, bos, ln = _chunk_program(chunk_seq, chunk_bos, cu)
-    qs, kn, x, sig, gate, bb, rq, rk, qn, a = _load_chunk_inputs(
+    qs, kn, gate, bb, rq, rk = _load_chunk_inputs(
         q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
@@ -163,20 +165,28 @@ def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
     X = _tri_inverse(A, r, C, INV_PREC)
     Tm = X * bb[None, :]
     e_G = tl.exp(G)
-    Kd = kn * e_G
+    KdD = (kn * e_G).to(DT)
     Qdd = qs * e_G
     Kee = kn * tl.exp(g_last[None, :] - G)
     TmD = Tm.to(DT)
-    WkT = tl.dot(TmD, Kd.to(DT))
+    WkT = tl.dot(TmD, KdD)
     base = (i_c * H + i_h).to(tl.int64)
     okc = base * (C * BK) + r[:, None] * BK + ck[None, :]
     tl.store(Wk + okc, WkT.to(Wk.dtype.element_ty))
     tl.store(Qd + okc, Qdd.to(Qd.dtype.element_ty))
     tl.store(Ke + okc, Kee.to(Ke.dtype.element_ty))
+    tl.store(Kd + okc, KdD.to(Kd.dtype.element_ty))
     occ = base * (C * C) + r[:, None] * C + r[None, :]
     tl.store(Mqk + occ, Mm.to(Mqk.dtype.element_ty))
     tl.store(Xinv + occ, X)
-    tl.store(GL + base * BK + ck, tl.exp(g_last))
+    gs = base * (3 * BK) + ck
+    tl.store(GS + gs, tl.exp(g_last))
+    tl.store(GS + gs + BK, g_ref)
+    tl.store(GS + gs + 2 * BK, g_last)
+    rs = base * (3 * C) + r
+    tl.store(RS + rs, rq)
+    tl.store(RS + rs + C, rk)
+    tl.store(RS + rs + 2 * C, bb)
     rv = r < ln
     for iv in range(0, (V + BV - 1) // BV):
         cv = iv * BV + tl.arange(0, BV)
@@ -211,10 +221,10 @@ def _scan_start(state0, HAS_STATE: tl.constexpr, chunk_off, cu, H, K: tl.constex
 
 
 @triton.jit
-def _scan_step_tiles(c, i_h, S, states, Wk, Qd, Ke, Mqk, GL, chunk_bos, eos, ck, cv, vm,
+def _scan_step_tiles(c, i_h, S, states, Wk, Qd, Ke, Mqk, GS, chunk_bos, eos, ck, cv, vm,
                      H, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     """Chunk c of a scan: store the state entering it (h or dh), load its prep tiles
-    (Wk, q~, ke [C, BK], M [C, C], e^{G_C} [BK]) and its token rows."""
+    (Wk, q~, ke [C, BK], M [C, C], e^{G_C} [BK] from GS) and its token rows."""
     r = tl.arange(0, C)
     base = (c * H + i_h).to(tl.int64)
     tl.store(states + base * (BK * V) + ck[:, None] * V + cv[None, :],
@@ -224,7 +234,7 @@ def _scan_step_tiles(c, i_h, S, states, Wk, Qd, Ke, Mqk, GL, chunk_bos, eos, ck,
     bQd = tl.load(Qd + okc)
     bKe = tl.load(Ke + okc)
     bM = tl.load(Mqk + base * (C * C) + r[:, None] * C + r[None, :])
-    gl = tl.load(GL + base * BK + ck)
+    gl = tl.load(GS + base * (3 * BK) + ck)
     bos = tl.load(chunk_bos + c)
     rows = (bos + r).to(tl.int64)[:, None] * (H * V) + i_h * V + cv[None, :]
     rmask = ((bos + r) < eos)[:, None] & vm[None, :]
@@ -232,7 +242,7 @@ def _scan_step_tiles(c, i_h, S, states, Wk, Qd, Ke, Mqk, GL, chunk_bos, eos, ck,
 
 
 @triton.jit
-def kda_fwd_kernel(Wk, U, Qd, Ke, Mqk, GL, h0, o, h, ht,
+def kda_fwd_kernel(Wk, U, Qd, Ke, Mqk, GS, h0, o, h, ht,
                    chunk_off, chunk_bos, cu,
                    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
@@ -244,7 +254,7 @@ def kda_fwd_kernel(Wk, U, Qd, Ke, Mqk, GL, h0, o, h, ht,
     r = tl.arange(0, C)
     for c in range(c0, c1):
         base, bWk, bQd, bKe, bM, gl, rows, rmask = _scan_step_tiles(
-            c, i_h, S, h, Wk, Qd, Ke, Mqk, GL, chunk_bos, eos, ck, cv, vm, H, V, C, BK)
+            c, i_h, S, h, Wk, Qd, Ke, Mqk, GS, chunk_bos, eos, ck, cv, vm, H, V, C, BK)
         bU = tl.load(U + base * (C * V) + r[:, None] * V + cv[None, :], mask=vm[None, :],
                      other=0.).to(tl.float32)
         Sb = S.to(DT)
@@ -258,7 +268,7 @@ def kda_fwd_kernel(Wk, U, Qd, Ke, Mqk, GL, h0, o, h, ht,
 
 
 @triton.jit
-def kda_bwd_h_kernel(Wk, Qd, Ke, Mqk, GL, dht, do, dh, dW, dh0,
+def kda_bwd_h_kernel(Wk, Qd, Ke, Mqk, GS, dht, do, dh, dW, dh0,
                      chunk_off, chunk_bos, cu,
                      H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr,
@@ -271,7 +281,7 @@ def kda_bwd_h_kernel(Wk, Qd, Ke, Mqk, GL, dht, do, dh, dW, dh0,
     for j in range(0, c1 - c0):
         c = c1 - 1 - j
         base, bWk, bQd, bKe, bM, gl, rows, rmask = _scan_step_tiles(
-            c, i_h, dS, dh, Wk, Qd, Ke, Mqk, GL, chunk_bos, eos, ck, cv, vm, H, V, C, BK)
+            c, i_h, dS, dh, Wk, Qd, Ke, Mqk, GS, chunk_bos, eos, ck, cv, vm, H, V, C, BK)
         bdo = tl.load(do + rows, mask=rmask, other=0.).to(DT)
         dSb = dS.to(DT)
         bdW = tl.dot(tl.trans(bM.to(DT)), bdo) + tl.dot(bKe.to(DT), dSb)
@@ -286,7 +296,7 @@ def kda_bwd_h_kernel(Wk, Qd, Ke, Mqk, GL, dht, do, dh, dW, dh0,
 @triton.jit
 def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
                    chunk_seq, chunk_bos, cu,
-                   Wk, U, Xinv, h, dh, dW, do,
+                   Wk, U, Kd, Xinv, GS, RS, h, dh, dW, do,
                    dq, dk, dv, dg, dbeta, dA_part, ddt_part, scr, wscr,
                    lower_bound, scale,
                    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
@@ -307,10 +317,12 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
     base = (i_c * H + i_h).to(tl.int64)
     occ = base * (C * C) + r[:, None] * C + r[None, :]
     okc = base * (C * BK) + r[:, None] * BK + ck[None, :]
-    # ---- phase 1: contractions over V (needs k e^G, T, Wk with full K)
-    qs, kn, x, sig, gate, bb, rq, rk, qn, a = _load_chunk_inputs(
-        q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
-    KdD = (kn * tl.exp(tl.associative_scan(gate, 0, _sum_combine))).to(DT)
+    # ---- phase 1: contractions over V (needs k e^G, T, Wk with full K, all from prep)
+    rs = base * (3 * C) + r
+    rq = tl.load(RS + rs)
+    rk = tl.load(RS + rs + C)
+    bb = tl.load(RS + rs + 2 * C)
+    KdD = tl.load(Kd + okc).to(DT)
     X = tl.load(Xinv + occ)
     TmD = (X * bb[None, :]).to(DT)
     bWk = tl.load(Wk + okc).to(DT)
@@ -368,8 +380,8 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
         xe = ae * (bg + dtb[None, :])
         sg = 1. / (1. + tl.exp(-xe))
         G = tl.associative_scan(tl.where(m2k, lower_bound * sg, 0.), 0, _sum_combine)
-        g_ref = tl.reduce(tl.where(r[:, None] == (C // 2 - 1), G, 0.), 0, _sum_combine)
-        g_last = tl.reduce(tl.where(r[:, None] == (C - 1), G, 0.), 0, _sum_combine)
+        g_ref = tl.load(GS + base * (3 * BK) + BK + ce)
+        g_last = tl.load(GS + base * (3 * BK) + 2 * BK + ce)
         qb = bq * (rq * scale)[:, None]
         kb_ = bk_ * rk[:, None]
         e_in = tl.exp(G - g_ref[None, :])
@@ -491,6 +503,20 @@ def _pick(V, key):
     return min(CONFIG[key], max(16, triton.next_power_of_2(V)))
 
 
+def _scan_launch(N, H, V, dev):
+    """(V tile, warps, stages) of the two sequential scans, whose grid is N x H x V/tile.
+    A whole-V tile reads each chunk's prep tiles (Wk, q~, ke, M) once instead of once per
+    tile, but leaves N x H programs, which pays only when they fill the GPU (H200 sweep,
+    docs/kda_notes.md run 7)."""
+    bv = CONFIG["seq_bv"]
+    if bv is None:
+        on_gpu = dev.type == "cuda"
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 1
+        bv = 128 if N * H >= sms else 64
+    bv = min(bv, max(16, triton.next_power_of_2(V)))
+    return bv, CONFIG["seq_warps"] or max(1, bv // 16), CONFIG["seq_stages"]
+
+
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2,
             output_final_state, seq_len=None):
     B, T, H, K = q.shape
@@ -498,10 +524,10 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     C = CHUNK
     BK = max(16, triton.next_power_of_2(K))
     BV = _pick(V, "bwd_bv")
-    SBV = _pick(V, "seq_bv")
     dev = q.device
     seq, bos, off, NC = _chunk_tables(cu, C, seq_len)
     N = cu.numel() - 1
+    SBV, s_warps, s_stages = _scan_launch(N, H, V, dev)
     st = _store_dtype(q)
     DT = _dot_dtype(q)
     Wk = torch.empty(NC, H, C, BK, device=dev, dtype=st)
@@ -510,36 +536,38 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     U = torch.empty(NC, H, C, V, device=dev, dtype=st)
     M = torch.empty(NC, H, C, C, device=dev, dtype=st)
     X = torch.empty(NC, H, C, C, device=dev, dtype=torch.float32)
-    GL = torch.empty(NC, H, BK, device=dev, dtype=torch.float32)
+    Kd = torch.empty_like(Wk)
+    GS = torch.empty(NC, H, 3, BK, device=dev, dtype=torch.float32)  # e^{G_C}, G_ref, G_C
+    RS = torch.empty(NC, H, 3, C, device=dev, dtype=torch.float32)   # 1/|q|, 1/|k|, beta
     cu32 = cu.to(torch.int32)
     kda_prep_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
-                             Wk, U, Qd, Ke, M, X, GL, float(lower_bound), float(scale),
+                             Wk, U, Qd, Ke, Kd, M, X, GS, RS, float(lower_bound),
+                             float(scale),
                              H=H, K=K, V=V, C=C, BK=BK, BV=BV, USE_L2=use_l2, DT=DT,
-                             INV_PREC=CONFIG["inv_prec"], num_warps=CONFIG["prep_warps"])
+                             INV_PREC=CONFIG["prep_inv_prec"], num_warps=CONFIG["prep_warps"])
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     hs = torch.empty(NC, H, BK, V, device=dev, dtype=st)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     kda_fwd_kernel[(N, H, triton.cdiv(V, SBV))](
-        Wk, U, Qd, Ke, M, GL, h0 if h0 is not None else o, o, hs, ht if ht is not None else o,
+        Wk, U, Qd, Ke, M, GS, h0 if h0 is not None else o, o, hs, ht if ht is not None else o,
         off, bos, cu32, H=H, K=K, V=V, C=C, BK=BK, BV=SBV, HAS_H0=h0 is not None,
-        STORE_FINAL=output_final_state, DT=DT, num_warps=CONFIG["fwd_warps"],
-        num_stages=CONFIG["fwd_stages"])
-    saved = (Wk, U, Qd, Ke, M, X, GL, hs, seq, bos, off, cu32)
+        STORE_FINAL=output_final_state, DT=DT, num_warps=s_warps, num_stages=s_stages)
+    saved = (Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs, seq, bos, off, cu32)
     return o, ht, saved
 
 
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved,
             do, dht):
-    Wk, U, Qd, Ke, M, X, GL, hs, seq, bos, off, cu32 = saved
+    Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs, seq, bos, off, cu32 = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
     BK = Wk.shape[-1]
     BV = _pick(V, "bwd_bv")
-    SBV = _pick(V, "seq_bv")
     NC = Wk.shape[0]
     N = off.numel() - 1
     dev = q.device
+    SBV, s_warps, s_stages = _scan_launch(N, H, V, dev)
     DT = _dot_dtype(q)
     prec = CONFIG["grad_prec"]
     if prec not in ("bf16", "tf32x3", "tf32", "ieee"):
@@ -555,10 +583,10 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     if dht is not None:
         dht = dht.contiguous().float()
     kda_bwd_h_kernel[(N, H, triton.cdiv(V, SBV))](
-        Wk, Qd, Ke, M, GL, dht if dht is not None else do, do, dhs, dW,
+        Wk, Qd, Ke, M, GS, dht if dht is not None else do, do, dhs, dW,
         dh0 if dh0 is not None else do, off, bos, cu32,
         H=H, K=K, V=V, C=C, BK=BK, BV=SBV, HAS_DHT=dht is not None, STORE_DH0=has_h0, DT=DT,
-        num_warps=CONFIG["bwd_h_warps"], num_stages=CONFIG["bwd_h_stages"])
+        num_warps=s_warps, num_stages=s_stages)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -570,11 +598,11 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     wscr = torch.empty(NC, H, 2 * C, V, device=dev, dtype=_store_dtype(q))
     BKE = min(CONFIG["bwd_bke"], BK)
     kda_bwd_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
-                            Wk, U, X, hs, dhs, dW, do,
+                            Wk, U, Kd, X, GS, RS, hs, dhs, dW, do,
                             dq, dk, dv, dg, db, dA_part, ddt_part, scr, wscr,
                             float(lower_bound), float(scale),
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, USE_L2=use_l2, DT=DT,
-                            GP=GP, GPREC=GPREC, INV_PREC=CONFIG["inv_prec"],
+                            GP=GP, GPREC=GPREC, INV_PREC=CONFIG["bwd_inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
     dA_log = dA_part.sum(0)
     ddt = ddt_part.sum(0)[:, :K].reshape(H * K)

@@ -35,7 +35,6 @@ def test_accuracy_gate_limits(bench):
 def test_sweep_picks_fastest_passing_config(bench, monkeypatch):
     from kernels.kda import chunk
     monkeypatch.setattr(bench, "ACC_SHAPE", (1, 64, 2, 32))
-    monkeypatch.setattr(bench, "SWEEP", [{}, {"bwd_bv": 16}])
     before = dict(chunk.CONFIG)
     times = iter([5.0, 2.0, 9.0, 1.0])  # (fwd, fwd+bwd) per config: the second is faster
     monkeypatch.setattr(bench, "bench_impl", lambda *a: (next(times), next(times)))
@@ -44,7 +43,8 @@ def test_sweep_picks_fastest_passing_config(bench, monkeypatch):
         B, T, H, D, docs = bench.parse_shape(s)
         inputs = bench.make(B, T, H, D, "cpu")
         return (B, T, H, D, docs), inputs, None, torch.randn(B, T, H, D)
-    rows, best = bench.sweep(bench.ours_fn(), ["1x64x2x32"], setup, "cpu")
+    configs = [{}, {"bwd_bv": 16}]
+    rows, best = bench.sweep(bench.ours_fn(), ["1x64x2x32"], setup, "cpu", configs)
     assert chunk.CONFIG == before                        # the sweep restores the defaults
     assert [r["config"] for r in rows] == [{}, {"bwd_bv": 16}]
     assert all(r["passes"] for r in rows), rows         # fp32 interpreter: exact to ~1e-6
@@ -55,7 +55,7 @@ def test_sweep_picks_fastest_passing_config(bench, monkeypatch):
     monkeypatch.setattr(bench, "passes", lambda err: False)
     times = iter([1.0, 1.0, 1.0, 1.0])
     monkeypatch.setattr(bench, "bench_impl", lambda *a: (next(times), next(times)))
-    assert bench.sweep(bench.ours_fn(), ["1x64x2x32"], setup, "cpu")[1] is None
+    assert bench.sweep(bench.ours_fn(), ["1x64x2x32"], setup, "cpu", configs)[1] is None
 
 
 def test_script_runs_and_writes_json(bench, tmp_path, monkeypatch):
