@@ -52,6 +52,8 @@ CONFIG = {
     "bwd_warps": 2,       # 255 registers: 4 CTAs per SM; 4 warps ran 1.28x, 8 warps 2.5x
                           # slower (H200 sweeps, docs/kda_notes.md runs 4-5)
     "bwd_bke": 16,            # key-channel block of the backward epilogue
+    "bwd_bkl": 32,            # key-channel block of the L2-norm backward (last phase):
+                              # 0.2 ms faster than 16, 64 spills more (H200 sweep, run 7)
     "prep_inv_prec": "tf32x3",  # (I + A)^-1 block merges: 3-pass tf32 (~fp32), 0.2 ms
                                 # faster than FMA ("ieee") in prep at 8x4096x32
     "bwd_inv_prec": "ieee",     # -X^T dX X^T: fp32 FMA, 0.17 ms faster than tf32x3 there
@@ -300,15 +302,16 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
                    dq, dk, dv, dg, dbeta, dA_part, ddt_part, scr, wscr,
                    lower_bound, scale,
                    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, BKE: tl.constexpr, USE_L2: tl.constexpr,
-                   DT: tl.constexpr, GP: tl.constexpr, GPREC: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, BKE: tl.constexpr, BKL: tl.constexpr,
+                   USE_L2: tl.constexpr, DT: tl.constexpr, GP: tl.constexpr, GPREC: tl.constexpr,
                    INV_PREC: tl.constexpr):
     """Per-chunk backward.  Phase 1 contracts over V with full-K tiles (W - k~ S0, R, dv,
     dM, dT) and keeps W - k~ S0 and dR in a per-program bf16 scratch [2C, V]; phase 2 walks
     the key channels in blocks of BKE, contracting over V for that block only (dq~, dk~,
     dke, d e^{G_C}), so no C x K accumulator is live across a loop; everything else there
-    is per channel except three row / C x C sums.  Phase 3 applies the L2-norm backward
-    to the pre-norm gradients that phase 2 left in an fp32 scratch [2C, BK]."""
+    is per channel except three row / C x C sums.  Phase 3 applies the L2-norm backward,
+    in key blocks of BKL, to the pre-norm gradients that phase 2 left in an fp32 scratch
+    [2C, BK].  Prep supplies k e^G, G_ref, G_C, 1/|q|, 1/|k| and beta."""
     i_c, i_h, bos, ln = _chunk_program(chunk_seq, chunk_bos, cu)
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
@@ -444,8 +447,8 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
     tl.store(dbeta + tok * H + i_h, (dbv * bb * (1. - bb)).to(dbeta.dtype.element_ty), mask=rv)
     tl.debug_barrier()
     # ---- phase 3: L2-norm backward, dx = (dy - y (y . dy)) / |x|
-    for kb in range(0, BK // BKE):
-        ce = kb * BKE + tl.arange(0, BKE)
+    for kb in range(0, BK // BKL):
+        ce = kb * BKL + tl.arange(0, BKL)
         km = ce < K
         m2k = rv[:, None] & km[None, :]
         tk = tok[:, None] * (H * K) + i_h * K + ce[None, :]
@@ -597,11 +600,13 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
     scr = torch.empty(NC, H, 2 * C, BK, device=dev, dtype=torch.float32)
     wscr = torch.empty(NC, H, 2 * C, V, device=dev, dtype=_store_dtype(q))
     BKE = min(CONFIG["bwd_bke"], BK)
+    BKL = min(CONFIG["bwd_bkl"], BK)
     kda_bwd_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
                             Wk, U, Kd, X, GS, RS, hs, dhs, dW, do,
                             dq, dk, dv, dg, db, dA_part, ddt_part, scr, wscr,
                             float(lower_bound), float(scale),
-                            H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, USE_L2=use_l2, DT=DT,
+                            H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, BKL=BKL, USE_L2=use_l2,
+                            DT=DT,
                             GP=GP, GPREC=GPREC, INV_PREC=CONFIG["bwd_inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
     dA_log = dA_part.sum(0)
