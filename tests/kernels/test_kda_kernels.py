@@ -190,11 +190,15 @@ TRITON_CASES = {
     "saturated_gate": (1, 70, 1, 16, 16, None, True, True, 4.0, 1.0),
     "no_l2": (1, 40, 2, 16, 16, [0, 17, 40], False, False, 0.0, 0.15),
     "K48_blocks": (1, 36, 1, 48, 16, None, True, True, 0.0, 1.0),  # 2 key blocks, masked tail
+    "varlen_V_tiles": (1, 60, 2, 16, 40, [0, 5, 45, 60], True, True, 0.0, 1.0),
 }
+# launch-config overrides per case: V split in tiles of 16 (scans and backward), the last
+# one masked at V = 40
+TRITON_CONFIGS = {"varlen_V_tiles": {"seq_bv": 16, "bwd_bv": 16}}
 
 
 @pytest.mark.parametrize("name", list(TRITON_CASES))
-def test_triton_interpreter_matches_recurrent(name):
+def test_triton_interpreter_matches_recurrent(name, monkeypatch):
     B, T, H, K, V, cu, use_h0, use_l2, shift, ks = TRITON_CASES[name]
     if "triton" in sys.modules and not _interpreter_usable():
         # triton was imported in compiled mode by an earlier test: rerun in a fresh process
@@ -206,6 +210,8 @@ def test_triton_interpreter_matches_recurrent(name):
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
         return
     mod = _triton_module(interpret=True)
+    for key, val in TRITON_CONFIGS.get(name, {}).items():
+        monkeypatch.setitem(mod.CONFIG, key, val)
     N = len(cu) - 1 if cu is not None else B
     xs = make_inputs(B, T, H, K, V, N=N, gate_shift=shift, k_scale=ks, seed=zlib.crc32(name.encode()) % 1000)
     if shift:
@@ -225,6 +231,22 @@ def test_triton_interpreter_matches_recurrent(name):
         # with the gate at the bound, dA_log / ddt_bias are sums that cancel 10-100x
         tol = 3e-3 if (shift and n in ("A_log", "dt_bias")) else 1e-4
         assert rel(g1[n], g2[n]) < tol, (n, rel(g1[n], g2[n]))
+
+
+def test_scan_launch_tiles():
+    """The scans' V tile: whole V (<= 128) when the sequence-heads fill the GPU (always on
+    CPU, counted as one SM), an explicit seq_bv otherwise; warps follow the tile."""
+    mod = _triton_module(interpret=True)
+    cpu = torch.device("cpu")
+    assert mod._scan_launch(2, 4, 48, cpu)[:2] == (64, 4)
+    assert mod._scan_launch(2, 4, 256, cpu)[:2] == (128, 8)
+    old = dict(mod.CONFIG)
+    try:
+        mod.CONFIG.update(seq_bv=32)
+        assert mod._scan_launch(2, 4, 256, cpu)[:2] == (32, 2)
+    finally:
+        mod.CONFIG.clear()
+        mod.CONFIG.update(old)
 
 
 def test_triton_interpreter_repeated_keys():
