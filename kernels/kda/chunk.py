@@ -12,7 +12,9 @@ Design (docs/kda_notes.md has the derivation and the measured numbers):
     prep   (parallel over chunks):  L2 norm, beta sigmoid, gate activation and
            cumsum, A = tril(beta K K^T decayed), X = (I + A)^-1 (blocked forward
            substitution, stable for near-identical keys), WY factors Wk = X diag(beta) K e^G, U = X diag(beta) V,
-           the intra-chunk q.k matrix M and the decayed q / k tiles.
+           the intra-chunk q.k matrix M and the decayed q / k tiles; for the
+           backward also k e^G, G at the reference row and at the chunk end, and
+           1/|q|, 1/|k|, beta.
     fwd    (sequential over chunks, parallel over sequence, head, V tile):
            W = U - Wk S;  O = (q e^G) S + M W;  S <- e^{G_C} S + (k e^{G_C-G})^T W.
            Stores each chunk's start state h for the backward.
