@@ -55,7 +55,7 @@ CONFIG = {
                           # slower (H200 sweeps, docs/kda_notes.md runs 4-5)
     "bwd_bke": 16,            # key-channel block of the backward epilogue
     "bwd_bkl": 32,            # key-channel block of the L2-norm backward (last phase):
-                              # 0.2 ms faster than 16, 64 spills more (H200 sweep, run 7)
+                              # 0.2 ms faster than 16 and 0.3 ms faster than 64 (run 7)
     "prep_inv_prec": "tf32x3",  # (I + A)^-1 block merges: 3-pass tf32 (~fp32), 0.2 ms
                                 # faster than FMA ("ieee") in prep at 8x4096x32
     "bwd_inv_prec": "ieee",     # -X^T dX X^T: fp32 FMA, 0.17 ms faster than tf32x3 there
@@ -608,8 +608,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
                             dq, dk, dv, dg, db, dA_part, ddt_part, scr, wscr,
                             float(lower_bound), float(scale),
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, BKL=BKL, USE_L2=use_l2,
-                            DT=DT,
-                            GP=GP, GPREC=GPREC, INV_PREC=CONFIG["bwd_inv_prec"],
+                            DT=DT, GP=GP, GPREC=GPREC, INV_PREC=CONFIG["bwd_inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
     dA_log = dA_part.sum(0)
     ddt = ddt_part.sum(0)[:, :K].reshape(H * K)
