@@ -2,7 +2,8 @@
 
     python benchmarks/train_step.py --model k3_bench_1b --batch 2 --seq 4096 --steps 10
 
-One step = forward + backward of one micro-batch under bf16 autocast + fused AdamW. FLOPs come
+One step = forward + backward of one micro-batch under bf16 autocast + AdamW + Quantile Balancing
+(the trainer's per-step bias update, timed separately as ``qb_ms``). FLOPs come
 from ``k3train.training.flops`` (KDA, MLA and active-expert aware), so MFU here is the same
 figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s) and against
 the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). Writes JSON.
@@ -51,34 +52,47 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
+    moe = model.moe_layers()
+    qb_events = []
+
     def step() -> float:
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, labels=y)
         loss.backward()
         opt.step()
+        qb_start, qb_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        qb_start.record()
+        for layer in moe:
+            layer.update_bias()
+            layer.load.reset()
+        qb_end.record()
+        qb_events.append((qb_start, qb_end))
         return loss.detach()
 
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    qb_events.clear()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
+    qb_ms = sum(a.elapsed_time(b) for a, b in qb_events) / len(qb_events)
     tok = args.batch * args.seq
     tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
     row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": "bf16 autocast, fp32 params",
            "gpu": torch.cuda.get_device_name(), "step_ms": dt * 1e3, "tokens_per_s": tok / dt,
            "model_tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS,
            "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
+           "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3)}
     print(f"{'model':>12} {'B×T':>10} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU(989)':>9} "
-          f"{'MFU(694)':>9} {'mem GB':>7}")
+          f"{'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
     print(f"{args.model:>12} {args.batch}×{args.seq:<7} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} "
-          f"{tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f}")
+          f"{tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
     Path(args.json).write_text(json.dumps(row, indent=2))
 
 

@@ -57,6 +57,10 @@ class ModelConfig:
     qb_estimator: str = "histogram"  # "histogram" (App. D) or "exact"
     qb_bins: int = 1000
     qb_ema: float = 0.0  # 0 disables the EMA of the estimates
+    # Re-score the router inputs at every s-th position of the step's sequences with the router
+    # weights after the optimizer step, and estimate the next bias from those scores
+    # (docs/moe_notes.md). Memory: d values per kept token per MoE layer. 0: the forward's scores.
+    qb_rescore_stride: int = 1
 
     rms_norm_eps: float = 1e-5
     init_std: float = 0.006

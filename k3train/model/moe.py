@@ -16,15 +16,29 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3train.config.schema import ModelConfig
+from k3train.model.expert_load import ExpertLoad
 from k3train.model.mlp import SiTUMLP, situ_glu
 from k3train.model.norm import RMSNorm
 from k3train.model.quantile_balancing import QuantileBalancer
 from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
+from k3train.parallel.token_dispatcher import LocalTokenDispatcher
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert times each expert's weight: one grouped GEMM.
+
+    x [M, K] (rows offsets[e-1]:offsets[e] belong to expert e), w [E, O, K], offsets [E] int32
+    cumulative row counts → [M, O], row m = x[m] @ w[e(m)]ᵀ. Runs in x.dtype (bf16 under autocast).
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")
+    return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offsets)
 
 
 class RoutedExperts(nn.Module):
@@ -49,16 +63,27 @@ class RoutedExperts(nn.Module):
         self.weight_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.input_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def _gemm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _operands(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_fake_quant is not None:
             x = self.input_fake_quant(x)
         if self.weight_fake_quant is not None:
             w = self.weight_fake_quant(w)
-        return x @ w.t()
+        return x, w
 
-    def forward(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """z [N, ℓ], experts/weights [N, k] → u [N, ℓ] (a TP partial sum)."""
-        N, k = experts.shape
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [M, ℓ] token copies sorted by expert, tokens_per_expert [E] → y [M, ℓ] (TP partial sums).
+
+        y_m = W2_e · SiTU(W1_e x_m, W3_e x_m) for the expert e of row m; two grouped GEMMs.
+        """
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        gate, up = grouped_linear(*self._operands(x, self.w13), offsets).chunk(2, dim=-1)
+        h = situ_glu(gate, up, self.beta, self.linear_beta)
+        return grouped_linear(*self._operands(h, self.w2), offsets)
+
+    def forward_looped(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Reference: z [N, ℓ], experts/weights [N, k] → u [N, ℓ], one GEMM per expert in a Python
+        loop (host syncs). Tests and benchmarks compare the grouped path against it."""
+        k = experts.shape[1]
         flat_expert = experts.flatten()
         order = flat_expert.argsort(stable=True)
         token_of = order // k
@@ -69,16 +94,25 @@ class RoutedExperts(nn.Module):
         for e, count in enumerate(counts):
             if count == 0:
                 continue
-            xe = x_sorted[start:start + count]
-            gate, up = self._gemm(xe, self.w13[e]).chunk(2, dim=-1)
-            outputs.append(self._gemm(situ_glu(gate, up, self.beta, self.linear_beta), self.w2[e]))
+            xe, w13 = self._operands(x_sorted[start:start + count], self.w13[e])
+            gate, up = (xe @ w13.t()).chunk(2, dim=-1)
+            h, w2 = self._operands(situ_glu(gate, up, self.beta, self.linear_beta), self.w2[e])
+            outputs.append(h @ w2.t())
             start += count
         y = torch.cat(outputs) * weights.flatten()[order].unsqueeze(-1).to(z.dtype)
         return torch.zeros_like(z).index_add_(0, token_of, y.to(z.dtype))
 
 
 class LatentMoE(nn.Module):
-    """Input/output [B, T, d]. ``last_load`` holds tokens per expert of the last forward."""
+    """Input/output [B, T, d]. ``load`` counts tokens per expert over the step's micro-batches.
+
+    Quantile Balancing (``update_bias``, once per optimizer step) sets the router bias of the next
+    step. With ``qb_rescore_stride = s > 0`` the router inputs of every s-th position of every
+    sequence of the step are kept and scored again by the router *after* the optimizer step, so the
+    bias is estimated from the scores the updated router gives (same tokens, new weights); with s = 0
+    it uses the forward's scores, as published. Either way the bias never routes the tokens it was
+    estimated from, and the pooled token set does not depend on the data-parallel layout.
+    """
 
     def __init__(self, cfg: ModelConfig, tp: TPSpec):
         super().__init__()
@@ -87,6 +121,7 @@ class LatentMoE(nn.Module):
         self.gate = SigmoidRouter(d, cfg.num_experts, cfg.num_experts_per_token, cfg.routed_scaling_factor,
                                   cfg.init_std)
         self.routed_expert_down_proj = tp.replicated(d, ell)
+        self.dispatcher = LocalTokenDispatcher(cfg.num_experts)
         self.experts = RoutedExperts(cfg, tp)
         self.routed_expert_norm = RMSNorm(ell, cfg.rms_norm_eps)
         self.routed_expert_up_proj = tp.replicated(ell, d)
@@ -94,17 +129,34 @@ class LatentMoE(nn.Module):
                                       cfg.situ_beta, cfg.situ_linear_beta)
         self.balancer = QuantileBalancer(cfg.num_experts, cfg.num_experts_per_token, cfg.qb_estimator,
                                          cfg.qb_bins, cfg.qb_ema)
-        self.register_buffer("last_load", torch.zeros(cfg.num_experts), persistent=False)
+        self.qb_rescore_stride = cfg.qb_rescore_stride
+        self.router_inputs: list[torch.Tensor] = []  # [tokens, d] per micro-batch, detached
+        self.load = ExpertLoad(cfg.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.training and self.qb_rescore_stride:
+            self.router_inputs.append(x[:, ::self.qb_rescore_stride].reshape(-1, shape[-1]).detach())
         x = x.reshape(-1, shape[-1])
         routing = self.gate(x)
-        if self.training:
-            self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
-        self.last_load = torch.bincount(routing.experts.flatten(), minlength=self.experts.num_experts).float()
         z = self.tp.copy_to_tp(self.routed_expert_down_proj(x))
-        u = self.experts(z, routing.experts, self.tp.copy_to_tp(routing.weights))
+        grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts)
+        if self.training:
+            self.load.add(tokens_per_expert)
+            if not self.qb_rescore_stride:
+                self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
+        y = self.experts(grouped, tokens_per_expert)
+        u = self.dispatcher.combine(y, self.tp.copy_to_tp(routing.weights), handle)
         u = self.tp.reduce_from_tp(u)
         y = self.shared_experts(x) + self.routed_expert_up_proj(self.routed_expert_norm(u))
         return y.view(shape)
+
+    @torch.no_grad()
+    def update_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """Quantile Balancing for the next step (after the optimizer step), pooled over ``group``."""
+        bias = self.gate.e_score_correction_bias
+        for x in self.router_inputs:
+            routing = self.gate(x)
+            self.balancer.observe(routing.scores, routing.cutoff, bias)
+        self.router_inputs.clear()
+        self.balancer.update(bias, group)

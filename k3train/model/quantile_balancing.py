@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 
-def target_load(num_tokens: int, top_k: int, num_experts: int) -> float:
+def target_load(num_tokens, top_k: int, num_experts: int):
     return num_tokens * top_k / num_experts
 
 
@@ -34,16 +34,19 @@ def exact_bias(r: torch.Tensor, top_k: int) -> torch.Tensor:
     return b - b.mean()
 
 
-def histogram_bias(counts: torch.Tensor, lo: float, width: float, q: float) -> torch.Tensor:
-    """Read each expert's q-quantile off integer bin counts [n, B] on [lo, lo + B·width], centred."""
+def histogram_bias(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Read each expert's q-quantile off integer bin counts [n, B] on [lo, lo + B·width], centred.
+
+    lo, width, q: 0-d tensors on the counts' device (no host round trip)."""
     cum = counts.cumsum(dim=1)
-    need = math.ceil(q - 1e-9)
+    q = q.double()
+    need = torch.ceil(q - 1e-9)
     bin_idx = (cum < need).sum(dim=1).clamp(max=counts.shape[1] - 1)  # first bin reaching ⌈q⌉
     before = torch.where(bin_idx > 0, cum.gather(1, (bin_idx - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
                          torch.zeros_like(bin_idx))
     inside = counts.gather(1, bin_idx.unsqueeze(1)).squeeze(1)
     frac = ((q - before.double()) / inside.double().clamp(min=1)).clamp(0.0, 1.0)
-    b = lo + (bin_idx.double() + frac) * width
+    b = lo.double() + (bin_idx.double() + frac) * width.double()
     b = b.float()
     return b - b.mean()
 
@@ -60,11 +63,11 @@ class QuantileBalancer:
         self._r: list[torch.Tensor] = []
         self._counts: torch.Tensor | None = None
         self._tokens = 0
-        self._lo = 0.0
-        self._width = 1.0
+        self._lo: torch.Tensor | None = None
+        self._width: torch.Tensor | None = None
 
     def _begin(self, bias: torch.Tensor) -> None:
-        b_min, b_max = bias.min().item(), bias.max().item()
+        b_min, b_max = bias.min().float(), bias.max().float()
         self._lo = b_min - 1.0
         self._width = (b_max - b_min + 2.0) / self.bins
         self._counts = torch.zeros(self.num_experts, self.bins, dtype=torch.int64, device=bias.device)
@@ -96,11 +99,10 @@ class QuantileBalancer:
             new = exact_bias(r, self.top_k)
         else:
             counts = self._counts
-            tokens = torch.tensor([self._tokens], device=counts.device)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(counts, group=group)
-                dist.all_reduce(tokens, group=group)
-            q = target_load(int(tokens.item()), self.top_k, self.num_experts)
+            tokens = counts[0].sum()  # every token lands in one bin of every expert's row
+            q = target_load(tokens, self.top_k, self.num_experts)
             new = histogram_bias(counts, self._lo, self._width, q)
         if self.ema > 0:
             new = self.ema * bias + (1.0 - self.ema) * new

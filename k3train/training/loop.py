@@ -4,7 +4,8 @@ One optimizer step:
     for each of global_batch / (micro_batch · DP) micro-batches:
         loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
     average gradients over DP; ‖g‖ over TP; clip; optimizer.step(); scheduler.step()
-    Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP)
+    Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP), from the
+    step's router inputs re-scored by the updated router (model.qb_rescore_stride)
     QK-clip (Muon recipe) rescales MLA heads whose max logit exceeded τ
 
 Runs the same on CPU (gloo, fp32) and GPU (NCCL, bf16 autocast).
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from k3train.config.schema import K3Config
 from k3train.model.k3 import K3Model
 from k3train.model.mla import GatedMLA
+from k3train.model.moe import LatentMoE
 from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.parallel.data_parallel import average_gradients, clip_gradients, global_grad_norm
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
@@ -68,6 +70,7 @@ class Trainer:
                 if isinstance(m, GatedMLA):
                     m.track_max_logit = True
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.moe_layer_ids = [i for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, LatentMoE)]
         self.optimizer = build_optimizer(self.model, cfg.optim, self.groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
 
@@ -136,7 +139,7 @@ class Trainer:
         self.scheduler.step()
         moe = self.model.moe_layers()
         for layer in moe:
-            layer.balancer.update(layer.gate.e_score_correction_bias, self.groups.dp)
+            layer.update_bias(self.groups.dp)
         if self.cfg.optim.qk_clip_tau and not skipped:
             from k3train.optim.qk_clip import apply_qk_clip
 
@@ -148,16 +151,34 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
-        loads = [layer.last_load for layer in moe]
-        imbalance = (sum(float(l.max() / l.mean().clamp(min=1e-9)) for l in loads) / len(loads)) if loads else None
         achieved = tokens * self.flops_per_token / elapsed / max(1, self.groups.world_size)
         return {
             "kind": "train", "step": self.step + 1, "loss": float(loss_sum / self.n_micro),
             "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
-            "expert_load_max_over_mean": imbalance, "skipped": skipped,
+            "skipped": skipped, **self._expert_load(moe),
         }
+
+    def _expert_load(self, moe: list) -> dict:
+        """Per-layer expert load of the step, pooled over micro-batches and DP ranks (one all-reduce
+        each for the counts and the worst micro-batch), and each layer's QB bias range."""
+        if not moe:
+            return {}
+        tokens = torch.stack([layer.load.tokens for layer in moe])  # [L, E]
+        worst = torch.stack([layer.load.worst for layer in moe])  # [L]
+        for layer in moe:
+            layer.load.reset()
+        if self.groups.dp_size > 1:
+            dist.all_reduce(tokens, group=self.groups.dp)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        pooled = tokens.max(1).values / tokens.mean(1).clamp(min=1e-9)
+        bias = torch.stack([layer.gate.e_score_correction_bias for layer in moe])
+        worst_layer = self.moe_layer_ids[int(pooled.argmax())]
+        return {"expert_load_max_over_mean": float(pooled.max()), "expert_load_worst_layer": worst_layer,
+                "expert_load_per_layer": [round(v, 4) for v in pooled.tolist()],
+                "expert_load_worst_micro_batch": [round(v, 4) for v in worst.tolist()],
+                "qb_bias_range": [round(v, 5) for v in (bias.max(1).values - bias.min(1).values).tolist()]}
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -41,8 +41,7 @@ class MetricsLogger:
         record = {"time": round(time.time(), 3), **record}
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and v is not None},
-                            step=record["step"])
+            self._wandb.log(_wandb_scalars(record), step=record["step"])
         if self.cfg.console:
             print(format_progress(record, self.total_steps), file=sys.stdout, flush=True)
 
@@ -51,6 +50,17 @@ class MetricsLogger:
             self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _wandb_scalars(record: dict) -> dict:
+    """Numbers as they are; a per-layer list ``key: [v0, v1, ...]`` as ``key/0, key/1, ...``."""
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            out.update({f"{k}/{i}": x for i, x in enumerate(v)})
+    return out
 
 
 def _wandb_id(run_dir: Path) -> str:
@@ -72,7 +82,7 @@ def format_progress(r: dict, total_steps: int) -> str:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     parts.append(f"mem {r['peak_mem_gb']:.2f} GB")
     if r.get("expert_load_max_over_mean") is not None:
-        parts.append(f"load max/mean {r['expert_load_max_over_mean']:.2f}")
+        parts.append(f"load max/mean {r['expert_load_max_over_mean']:.2f} (layer {r['expert_load_worst_layer']})")
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite grads)")
     return " | ".join(parts)

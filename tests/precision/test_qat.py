@@ -83,29 +83,26 @@ def test_enable_expert_qat_touches_routed_experts_only():
 
 
 def test_expert_gemms_see_quantized_operands():
-    """Forward of one RoutedExperts with QAT equals a hand-written MX forward."""
+    """The grouped experts with QAT equal a hand-written MX forward (one GEMM per expert)."""
+    from k3train.model.mlp import situ_glu
     from k3train.model.moe import RoutedExperts
     model = _tiny_model(1)
     ex = next(m for m in model.modules() if isinstance(m, RoutedExperts))
     torch.manual_seed(2)
-    z = torch.randn(12, ex.w13.shape[-1])
-    experts = torch.stack([torch.randperm(ex.num_experts)[:2] for _ in range(12)])
-    weights = torch.rand(12, 2)
-    full = ex(z, experts, weights)
+    rows = torch.randn(12, ex.w13.shape[-1])  # already grouped: 5 rows of expert 0, 7 of expert 3
+    tokens_per_expert = torch.zeros(ex.num_experts, dtype=torch.long)
+    tokens_per_expert[0], tokens_per_expert[3] = 5, 7
+    full = ex(rows, tokens_per_expert)
     enable_expert_qat(model)
-    got = ex(z, experts, weights)
-    saved = ex.w13.data.clone(), ex.w2.data.clone()
+    got = ex(rows, tokens_per_expert)
     disable_expert_qat(model)
     fq = lambda t, f: mx_fake_quantize(t, f, "rceil")  # noqa: E731
-    # hand-rolled: quantize each GEMM's input (e4m3) and weight (e2m1) explicitly
-    orig_gemm = ex._gemm
-    ex._gemm = lambda x, w: fq(x, "e4m3") @ fq(w, "e2m1").t()
-    try:
-        want = ex(z, experts, weights)
-    finally:
-        ex._gemm = orig_gemm
-    assert torch.equal(ex.w13.data, saved[0]) and torch.equal(ex.w2.data, saved[1])
-    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    want = []
+    for e, part in ((0, rows[:5]), (3, rows[5:])):  # quantize each GEMM's input (e4m3) and weight (e2m1)
+        gate, up = (fq(part, "e4m3") @ fq(ex.w13[e], "e2m1").t()).chunk(2, dim=-1)
+        want.append(fq(situ_glu(gate, up), "e4m3") @ fq(ex.w2[e], "e2m1").t())
+    want = torch.cat(want)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
     assert not torch.allclose(got, full, rtol=1e-3, atol=1e-6)
 
 
