@@ -61,6 +61,9 @@ class ModelConfig:
     # weights after the optimizer step, and estimate the next bias from those scores
     # (docs/moe_notes.md). Memory: d values per kept token per MoE layer. 0: the forward's scores.
     qb_rescore_stride: int = 1
+    # Bias updates per optimizer step: 1 = once, after the step (as published); U > 1 also after
+    # every n/U of the step's n micro-batches, from their forward scores. U must divide n.
+    qb_updates_per_step: int = 1
 
     rms_norm_eps: float = 1e-5
     init_std: float = 0.006

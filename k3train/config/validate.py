@@ -93,6 +93,11 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
           f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
           f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of {t.micro_batch_size * dp}")
+    n_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    u = cfg.model.qb_updates_per_step
+    _need(u >= 1 and n_micro % u == 0,
+          f"model.qb_updates_per_step={u} must divide the {n_micro} micro-batches of a step (train.global_batch_"
+          f"size / (train.micro_batch_size x data-parallel size {dp})); use a divisor of {n_micro}, e.g. 1")
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     _need(t.eval_every >= 0 and t.save_every >= 0 and t.log_every > 0,
           "train.eval_every and train.save_every must be >= 0 (0 disables) and train.log_every > 0")

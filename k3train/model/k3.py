@@ -44,7 +44,7 @@ class K3Model(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         docs = Documents.from_position_ids(position_ids)
-        partial = self.embed_tokens(tokens)
+        partial = self.embed_tokens(tokens).float()
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             bank, partial = layer(bank, partial, docs)

@@ -1,6 +1,8 @@
 """One K3 decoder layer with Block AttnRes (K3_SPEC.md §2.1).
 
-State carried across layers: the block bank B (list of [B, T, d]) and the partial sum P.
+State carried across layers: the block bank B (list of [B, T, d]) and the partial sum P, both
+fp32 (K3_SPEC §2.1; in bf16 the token-specific part of P, small next to the shared part early in
+training, is rounded away before the router sees it: docs/moe_notes.md).
 For layer l with block size S:
 
     x_a = RMSNorm_in(Agg_attn(B ∪ [P]))
@@ -47,8 +49,8 @@ class K3Layer(nn.Module):
         x_a = self.input_layernorm(self.self_attention_res(bank + [partial]))
         if self.writes_block:
             bank = bank + [partial]
-            partial = self.self_attn(x_a, docs)
+            partial = self.self_attn(x_a, docs).float()
         else:
-            partial = partial + self.self_attn(x_a, docs)
+            partial = partial + self.self_attn(x_a, docs).float()
         x_m = self.post_attention_layernorm(self.mlp_res(bank + [partial]))
-        return bank, partial + self.mlp(x_m)
+        return bank, partial + self.mlp(x_m).float()

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from k3train.parallel.tensor_parallel import TPSpec
+from kernels import situ
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU of gate and up projections, computed in fp32, returned in ``gate.dtype``."""
-    a, c = gate.float(), up.float()
-    out = beta * torch.tanh(a / beta) * torch.sigmoid(a) * (linear_beta * torch.tanh(c / linear_beta))
-    return out.to(gate.dtype)
+    """SiTU-GLU of gate and up projections, computed in fp32, returned in ``gate.dtype``
+    (one fused Triton kernel each way on CUDA, ``kernels/situ``)."""
+    return situ.situ_glu(gate, up, beta, linear_beta)
 
 
 class SiTUMLP(nn.Module):

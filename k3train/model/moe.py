@@ -28,6 +28,7 @@ from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher
+from kernels.situ import situ_glu_packed
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -76,8 +77,7 @@ class RoutedExperts(nn.Module):
         y_m = W2_e · SiTU(W1_e x_m, W3_e x_m) for the expert e of row m; two grouped GEMMs.
         """
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        gate, up = grouped_linear(*self._operands(x, self.w13), offsets).chunk(2, dim=-1)
-        h = situ_glu(gate, up, self.beta, self.linear_beta)
+        h = situ_glu_packed(grouped_linear(*self._operands(x, self.w13), offsets), self.beta, self.linear_beta)
         return grouped_linear(*self._operands(h, self.w2), offsets)
 
     def forward_looped(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -106,12 +106,13 @@ class RoutedExperts(nn.Module):
 class LatentMoE(nn.Module):
     """Input/output [B, T, d]. ``load`` counts tokens per expert over the step's micro-batches.
 
-    Quantile Balancing (``update_bias``, once per optimizer step) sets the router bias of the next
-    step. With ``qb_rescore_stride = s > 0`` the router inputs of every s-th position of every
-    sequence of the step are kept and scored again by the router *after* the optimizer step, so the
-    bias is estimated from the scores the updated router gives (same tokens, new weights); with s = 0
-    it uses the forward's scores, as published. Either way the bias never routes the tokens it was
-    estimated from, and the pooled token set does not depend on the data-parallel layout.
+    Quantile Balancing (``update_bias``) sets the router bias from the micro-batches routed since the
+    last update: once per step as published, or also within the step (``qb_updates_per_step``, the
+    trainer's call). With ``qb_rescore_stride = s > 0`` the router inputs at every s-th position of
+    every sequence are kept, and the update after the optimizer step scores them again with the
+    updated router (same tokens, new weights); with s = 0 it uses the forward's scores. Either way a
+    bias never routes the tokens it was estimated from, and the pooled token set does not depend on
+    the data-parallel layout.
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPSpec):
@@ -143,8 +144,7 @@ class LatentMoE(nn.Module):
         grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts)
         if self.training:
             self.load.add(tokens_per_expert)
-            if not self.qb_rescore_stride:
-                self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
+            self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
         y = self.experts(grouped, tokens_per_expert)
         u = self.dispatcher.combine(y, self.tp.copy_to_tp(routing.weights), handle)
         u = self.tp.reduce_from_tp(u)
@@ -152,11 +152,18 @@ class LatentMoE(nn.Module):
         return y.view(shape)
 
     @torch.no_grad()
-    def update_bias(self, group: dist.ProcessGroup | None = None) -> None:
-        """Quantile Balancing for the next step (after the optimizer step), pooled over ``group``."""
+    def update_bias(self, group: dist.ProcessGroup | None = None, after_optimizer_step: bool = True) -> None:
+        """Quantile Balancing from the micro-batches since the last update, pooled over ``group``.
+
+        Within a step (``after_optimizer_step=False``) it uses the forward's scores: the weights have
+        not moved. After the optimizer step, with re-scoring on, the kept router inputs are scored by
+        the updated router instead.
+        """
         bias = self.gate.e_score_correction_bias
-        for x in self.router_inputs:
-            routing = self.gate(x)
-            self.balancer.observe(routing.scores, routing.cutoff, bias)
+        if after_optimizer_step and self.router_inputs:
+            self.balancer.reset()
+            for x in self.router_inputs:
+                routing = self.gate(x)
+                self.balancer.observe(routing.scores, routing.cutoff, bias)
         self.router_inputs.clear()
         self.balancer.update(bias, group)

@@ -4,6 +4,7 @@ One optimizer step:
     for each of global_batch / (micro_batch · DP) micro-batches:
         loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
     average gradients over DP; ‖g‖ over TP; clip; optimizer.step(); scheduler.step()
+        (model.qb_updates_per_step > 1: Quantile Balancing also between groups of micro-batches)
     Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP), from the
     step's router inputs re-scored by the updated router (model.qb_rescore_stride)
     QK-clip (Muon recipe) rescales MLA heads whose max logit exceeded τ
@@ -126,10 +127,15 @@ class Trainer:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.n_micro):
+        moe = self.model.moe_layers()
+        qb_window = self.n_micro // self.cfg.model.qb_updates_per_step
+        for micro in range(1, self.n_micro + 1):
             loss = self._forward(next(self.train_iter))
             (loss / self.n_micro).backward()
             loss_sum += loss.detach()
+            if micro % qb_window == 0 and micro < self.n_micro:
+                for layer in moe:  # Quantile Balancing within the step (model.qb_updates_per_step)
+                    layer.update_bias(self.groups.dp, after_optimizer_step=False)
         average_gradients(self.params, self.groups)
         grad_norm = global_grad_norm(self.params, self.groups)
         clip_gradients(self.params, self.cfg.optim.grad_clip, grad_norm)
@@ -137,7 +143,6 @@ class Trainer:
         if not skipped:
             self.optimizer.step()
         self.scheduler.step()
-        moe = self.model.moe_layers()
         for layer in moe:
             layer.update_bias(self.groups.dp)
         if self.cfg.optim.qk_clip_tau and not skipped:

@@ -82,6 +82,8 @@ def _cfg(**sections) -> K3Config:
     ({"train": {"global_batch_size": 10}}, 1, "train.global_batch_size"),
     ({"data": {"weights": [1.0]}}, 1, "data.weights"),
     ({"parallel": {"tensor": 2, "expert_tensor": 2}}, 3, "parallel.tensor"),
+    ({"model": {"qb_updates_per_step": 3}}, 1, "model.qb_updates_per_step"),  # 16 / 4 = 4 micro-batches
+    ({"model": {"qb_rescore_stride": -1}}, 1, "model.qb_rescore_stride"),
 ])
 def test_validation_names_the_field(sections, world, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -3,13 +3,9 @@ the reference bit for bit (CPU: Triton interpreter; GPU: ``-m gpu``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_cpu import rerun_under_interpreter, triton_cpu
 
 from kernels.mx import (E2M1, mx_dequantize, mx_fake_quantize, mx_quantize, pack_fp4,
                         unpack_fp4)
@@ -19,22 +15,8 @@ from kernels.mx.formats import E2M1_VALUES
 FMTS = ["e4m3", "e5m2", "e2m1"]
 RULES = ["floor", "rceil"]
 DTYPES = [torch.float32, torch.bfloat16]
-REPO = Path(__file__).resolve().parents[2]
 
 
-def _interp() -> bool:
-    try:
-        from kernels.mx.triton_mx import interpreter_active
-    except ImportError:  # triton missing: fail the Triton tests loudly below
-        return False
-    return interpreter_active()
-
-
-TRITON_HERE = torch.cuda.is_available() or _interp()
-triton_cpu = pytest.mark.skipif(
-    not TRITON_HERE,
-    reason="Triton interpreter is off in this process (TRITON_INTERPRET=1 was not set before "
-           "triton was imported); these run in a subprocess via test_triton_cpu_subprocess")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -329,14 +311,7 @@ def test_triton_empty_and_noncontiguous():
 
 def test_triton_cpu_subprocess():
     """Runs the Triton tests above under the interpreter when this process could not."""
-    if TRITON_HERE:
-        pytest.skip("Triton tests ran in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        str(Path(__file__)), "-k", "triton and not subprocess"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and " skipped" not in r.stdout.split("\n")[-2], r.stdout[-2000:]
+    rerun_under_interpreter(__file__)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,8 +7,11 @@ import math
 import pytest
 import torch
 
+from k3train.config.schema import ModelConfig
+from k3train.model.moe import LatentMoE
 from k3train.model.quantile_balancing import QuantileBalancer, exact_bias
 from k3train.model.router import SigmoidRouter
+from k3train.parallel.tensor_parallel import TPSpec
 
 
 def _stats(m: int, n: int, k: int, seed: int, bias: torch.Tensor | None = None):
@@ -88,3 +91,59 @@ def test_update_only_affects_the_next_step():
     assert torch.equal(router.e_score_correction_bias, bias_before)  # constant within the step
     qb.update(router.e_score_correction_bias)
     assert not torch.equal(router.e_score_correction_bias, bias_before)
+
+
+def _moe(**overrides) -> LatentMoE:
+    torch.manual_seed(4)
+    return LatentMoE(ModelConfig(qb_estimator="exact", init_std=0.2, **overrides), TPSpec(None, 0.2)).train()
+
+
+def _cutoff_residuals(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
+    """r = α − s for tokens x [N, d] under the router's current weights and bias (plain torch)."""
+    s = torch.sigmoid(x @ moe.gate.weight.t())
+    alpha = (s + moe.gate.e_score_correction_bias).topk(moe.gate.top_k + 1, dim=-1).values[:, -1]
+    return alpha[:, None] - s
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_rescore_estimates_from_the_updated_router(stride):
+    """After the optimizer step, QB scores the kept router inputs (every s-th position) with the new
+    router weights; the forward's stale scores are not used."""
+    moe = _moe(qb_rescore_stride=stride)
+    x = [torch.randn(2, 12, 64) for _ in range(2)]  # two micro-batches [B, T, d]
+    for mb in x:
+        moe(mb)
+    with torch.no_grad():
+        stale = exact_bias(torch.cat([_cutoff_residuals(moe, mb.reshape(-1, 64)) for mb in x]), moe.gate.top_k)
+        moe.gate.weight.add_(0.2 * torch.randn_like(moe.gate.weight))  # the optimizer step
+        kept = torch.cat([mb[:, ::stride].reshape(-1, 64) for mb in x])
+        want = exact_bias(_cutoff_residuals(moe, kept), moe.gate.top_k)
+    moe.update_bias()
+    torch.testing.assert_close(moe.gate.e_score_correction_bias, want, rtol=0, atol=1e-6)
+    assert not torch.allclose(want, stale, atol=1e-3)
+    assert not moe.router_inputs
+
+
+def test_update_within_a_step_uses_the_forward_scores():
+    """A within-step update (no optimizer step yet) pools the micro-batches since the last update."""
+    moe = _moe()
+    x = torch.randn(2, 12, 64)
+    moe(x)
+    with torch.no_grad():
+        want = exact_bias(_cutoff_residuals(moe, x.reshape(-1, 64)), moe.gate.top_k)
+    moe.update_bias(after_optimizer_step=False)
+    torch.testing.assert_close(moe.gate.e_score_correction_bias, want, rtol=0, atol=1e-6)
+
+
+def test_expert_load_pools_micro_batches():
+    moe = _moe()
+    loads = []
+    for _ in range(3):
+        x = torch.randn(2, 12, 64)
+        with torch.no_grad():
+            loads.append(torch.bincount(moe.gate(x.reshape(-1, 64)).experts.flatten(), minlength=8).float())
+        moe(x)
+    pooled = torch.stack(loads).sum(0)
+    torch.testing.assert_close(moe.load.tokens, pooled)
+    worst = max(float(l.max() / l.mean()) for l in loads)
+    assert abs(float(moe.load.worst) - worst) < 1e-6

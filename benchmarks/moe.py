@@ -1,0 +1,322 @@
+"""MoE routed experts, forward+backward (GPU, bf16): the per-expert loop, our grouped path,
+Megatron-Core's experts and a dense GEMM chain of the same FLOPs, on natural and skewed routing.
+
+    python benchmarks/moe.py --json moe_bench.json                  # bench-1B MoE, 16384 tokens
+    python benchmarks/moe.py --tokens 32768 --routing skewed
+    python benchmarks/moe.py --device cpu --dtype fp32 --tokens 256 --experts 8 --topk 2 \
+        --latent 32 --width 32                                      # smoke
+
+Defaults are bench-1B's MoE dims: E=128 experts, top-k=8, latent l=512, expert width I=256.
+A row times dispatch -> experts -> combine from the latent tokens z [N, l], the chosen experts
+and gate weights [N, k] (router, W_down and W_up excluded), forward + backward with a fixed
+output gradient; medians of triton.testing.do_bench (time.perf_counter on CPU).
+* loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
+* grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm).
+* megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
+  unfused path): TEGroupedMLP where Transformer Engine imports, else GroupedMLP where the
+  ``grouped_gemm`` package imports, else SequentialMLP (a ColumnParallelLinear/RowParallelLinear
+  pair per expert). It runs its own SwiGLU (torch.compile-fused on CUDA), not SiTU.
+* dense: x [N*k, l] -> SiTU(x W13^T) W2^T with one expert's weights: the same GEMMs and SiTU
+  without routing, the ceiling.
+Routing: natural = K3's sigmoid top-k router on N(0, 1) inputs of width --router-dim with
+N(0, 0.02) router weights; skewed = k distinct experts per token drawn with probability
+proportional to a Dirichlet(0.3) expert popularity.
+FLOPs per forward 2*M*l*2I + 2*M*I*l with M = N*k, fwd+bwd = 3x; "of dense" = dense ms / row ms.
+Before timing, grouped is checked against loop (output and gradients of z, weights, w13, w2;
+relative Frobenius error <= 2e-2, asserted), and megatron against loop on megatron's weights
+with SiTU's beta, beta_lin -> infinity (= SwiGLU); a megatron row over the limit is reported n/a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+from k3train.config.schema import ModelConfig, ParallelConfig  # noqa: E402
+from k3train.model.mlp import situ_glu  # noqa: E402
+from k3train.model.moe import RoutedExperts  # noqa: E402
+from k3train.model.router import SigmoidRouter  # noqa: E402
+from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
+from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
+from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+CHECK_LIMIT = 2e-2
+SWIGLU_BETA = 1e6  # SiTU(a, c) -> silu(a) * c as beta, beta_lin -> infinity
+
+
+def failure(e: Exception) -> str:
+    """An exception as the reason a row is n/a."""
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def make_routing(kind: str, N: int, E: int, k: int, d: int, seed: int = 0):
+    """experts [N, k] int64 and gate weights [N, k] fp32 (rows sum to 1), on the CPU."""
+    torch.manual_seed(seed)
+    if kind == "natural":
+        router = SigmoidRouter(d, E, k, 1.0, 0.02)
+        with torch.no_grad():
+            r = router(torch.randn(N, d))
+        return r.experts, r.weights
+    if kind == "skewed":
+        popularity = torch.distributions.Dirichlet(torch.full((E,), 0.3)).sample()
+        experts = torch.multinomial(popularity.expand(N, E), k, replacement=False)
+        weights = torch.rand(N, k)
+        return experts, weights / weights.sum(-1, keepdim=True)
+    raise ValueError(f"routing {kind!r}: natural or skewed")
+
+
+def routed_experts(E, k, ell, I, beta=4.0, linear_beta=25.0) -> RoutedExperts:
+    cfg = ModelConfig(num_experts=E, num_experts_per_token=k, latent_size=ell, moe_intermediate_size=I,
+                      situ_beta=beta, situ_linear_beta=linear_beta)
+    return RoutedExperts(cfg, TPSpec(None, cfg.init_std))
+
+
+def megatron_experts(E, k, ell, I, dtype, device):
+    """The best Megatron-Core experts module that builds here (on this rank's default process
+    groups), and why each better one did not."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe import experts as mcore_experts
+    from megatron.core.transformer.moe.grouped_gemm_util import grouped_gemm_is_available
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=ell, num_attention_heads=1, ffn_hidden_size=I,
+                            moe_ffn_hidden_size=I, num_moe_experts=E, moe_router_topk=k,
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                            bias_activation_fusion=device.type == "cuda", bf16=dtype == torch.bfloat16,
+                            params_dtype=dtype, use_cpu_initialization=True)
+    skipped = {}
+    for name, use_te, grouped, available, why in (
+            ("TEGroupedMLP", True, True, mcore_experts.HAVE_TE, "transformer_engine is not importable"),
+            ("GroupedMLP", False, True, grouped_gemm_is_available(), "grouped_gemm is not importable"),
+            ("SequentialMLP", False, False, True, "")):
+        if available:
+            spec = get_moe_module_spec(use_te=use_te, num_experts=E, moe_grouped_gemm=grouped).submodules.experts
+            try:
+                module = build_module(spec, E, cfg, pg_collection=get_default_pg_collection())
+                return module.to(device), skipped
+            except Exception as e:  # noqa: BLE001 - the next implementation down
+                why = failure(e)
+        skipped[name] = why
+    raise RuntimeError(f"no Megatron-Core experts module builds: {skipped}")
+
+
+def megatron_stacked(module, get):
+    """(fc1 [E, 2I, l], fc2 [E, l, I]) of a Megatron-Core experts module, through get(param)."""
+    E, ell = module.num_local_experts, module.config.hidden_size
+    if hasattr(module, "weight1"):  # GroupedMLP: expert e computes x @ weight1.view(E, l, 2I)[e]
+        return (get(module.weight1).view(E, ell, -1).transpose(1, 2),
+                get(module.weight2).view(E, -1, ell).transpose(1, 2))
+    if hasattr(module, "local_experts"):  # SequentialMLP
+        pairs = [(m.linear_fc1.weight, m.linear_fc2.weight) for m in module.local_experts]
+    else:  # TEGroupedMLP
+        pairs = [(getattr(module.linear_fc1, f"weight{e}"), getattr(module.linear_fc2, f"weight{e}"))
+                 for e in range(E)]
+    return torch.stack([get(a) for a, _ in pairs]), torch.stack([get(b) for _, b in pairs])
+
+
+def megatron_fn(module, z, experts, probs):
+    """u [N, l] through Megatron-Core: permute by a routing map, experts (gate weights applied to
+    the activations), unpermute. probs [N, E] holds the gate weights at the chosen experts."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+    routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, experts, True)
+
+    def f():
+        x, permuted_probs, order = permute(z, routing_map, probs=probs, num_out_tokens=experts.numel())
+        y, _ = module(x, routing_map.sum(0).cpu(), permuted_probs)
+        return unpermute(y, order, z.shape)
+    return f
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def compare(got, want):
+    """Relative Frobenius errors of [out, dz, dweights, dw13, dw2]."""
+    return {n: rel(a, b) for n, a, b in zip(("out", "dz", "dweights", "dw13", "dw2"), got, want)}
+
+
+def out_and_grads(fn, tensors, dout):
+    out = fn()
+    return [out.detach(), *torch.autograd.grad(out, tensors, dout, allow_unused=True, materialize_grads=True)]
+
+
+def cpu_bench(fn, warmup, rep, grad_to_none=()):
+    """Median ms of fn, run for warmup ms and then rep ms (at least once each)."""
+    def run(ms):
+        times, end = [], time.perf_counter() + ms / 1e3
+        while not times or time.perf_counter() < end:
+            for x in grad_to_none:
+                x.grad = None
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return times
+    run(warmup)
+    return statistics.median(run(rep))
+
+
+def time_fwd_bwd(fn, dout, grad_to_none, warmup, rep):
+    def step():
+        torch.autograd.backward(fn(), dout)
+    if dout.is_cuda:
+        from triton.testing import do_bench
+        return do_bench(step, warmup=warmup, rep=rep, grad_to_none=list(grad_to_none), return_mode="median")
+    return cpu_bench(step, warmup, rep, list(grad_to_none))
+
+
+
+
+def setup_megatron(E, k, ell, I, dtype, device):
+    """(experts module, the SwiGLU loop on its weights, info), or (None, None, info with the error)."""
+    try:
+        from megatron.core import __version__
+        init_parallel(ParallelConfig(), device)
+        module, skipped = megatron_experts(E, k, ell, I, dtype, device)
+    except Exception as e:  # noqa: BLE001 - the megatron rows say why
+        return None, None, dict(error=failure(e))
+    ref = routed_experts(E, k, ell, I, SWIGLU_BETA, SWIGLU_BETA).to(device, dtype)
+    with torch.no_grad():
+        for p, w in zip((ref.w13, ref.w2), megatron_stacked(module, torch.Tensor.detach)):
+            p.copy_(w)
+    return module, ref, dict(version=__version__, experts=type(module).__name__, not_run=skipped)
+
+
+def megatron_case(module, ref, z, experts, weights, w, dout):
+    """Megatron's timed function and its gradient leaves, and its errors against ref's loop."""
+    probs = torch.zeros(z.shape[0], module.num_local_experts, device=z.device)
+    probs = probs.scatter(1, experts, weights).requires_grad_(True)
+    fn = megatron_fn(module, z, experts, probs)
+    leaves = [z, probs, *module.parameters()]
+    out, dz, dprobs, *dparams = out_and_grads(fn, leaves, dout)
+    grads = dict(zip(leaves[2:], dparams))
+    got = [out, dz, dprobs.gather(1, experts), *megatron_stacked(module, grads.__getitem__)]
+    want = out_and_grads(lambda: ref.forward_looped(z, experts, w), [z, w, ref.w13, ref.w2], dout)
+    return fn, leaves, compare(got, want)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--latent", type=int, default=512)
+    ap.add_argument("--width", type=int, default=256, help="expert intermediate size I")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--router-dim", type=int, default=1024, help="router input width d (natural)")
+    ap.add_argument("--routing", default="natural,skewed")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up per row")
+    ap.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per row")
+    ap.add_argument("--json", default="moe_bench.json")
+    args = ap.parse_args(argv)
+    E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
+    M, dt = N * k, DTYPES[args.dtype]
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    flops = 3 * (2 * M * ell * 2 * I + 2 * M * I * ell)
+    info = dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
+                dtype=args.dtype, experts=E, topk=k, latent=ell, width=I, tokens=N, router_dim=args.router_dim,
+                fwdbwd_flops=flops, check_limit=CHECK_LIMIT, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    rows, loads, checks = [], {}, {}
+
+    def dump():
+        with open(args.json, "w") as fh:
+            json.dump(dict(info=info, loads=loads, checks=checks, rows=rows), fh, indent=1)
+
+    def timed(routing, impl, fn, leaves, dout, **extra):
+        ms = time_fwd_bwd(fn, dout, leaves, args.warmup, args.rep)
+        rows.append(dict(routing=routing, impl=impl, ms=ms, TFLOPs=flops / ms / 1e9,
+                         of_dense=rows[0]["ms"] / ms if rows else 1.0, **extra))
+        print(f"[{routing}] {impl}: {ms:.3f} ms", flush=True)
+
+    routed = routed_experts(E, k, ell, I).to(dev, dt)
+    dispatcher = LocalTokenDispatcher(E)
+    try:
+        mcore, ref, info["megatron"] = setup_megatron(E, k, ell, I, dt, dev)
+        print(info, flush=True)
+        # dense: the same GEMMs and SiTU on M rows with expert 0's weights
+        x = torch.randn(M, ell, device=dev, dtype=dt, requires_grad=True)
+        a, b = (p[0].detach().clone().requires_grad_(True) for p in (routed.w13, routed.w2))
+        timed("any", "dense", lambda: situ_glu(*(x @ a.t()).chunk(2, -1)) @ b.t(), [x, a, b],
+              torch.randn(M, ell, device=dev, dtype=dt))
+        del x, a, b
+        for kind in args.routing.split(","):
+            experts, weights = make_routing(kind, N, E, k, args.router_dim)
+            counts = torch.bincount(experts.flatten(), minlength=E)
+            loads[kind] = dict(max=counts.max().item(), mean=M / E, max_over_mean=counts.max().item() * E / M,
+                               empty=int((counts == 0).sum()))
+            experts, weights = experts.to(dev), weights.to(dev)
+            z = torch.randn(N, ell, device=dev, dtype=dt, requires_grad=True)
+            w = weights.clone().requires_grad_(True)
+            dout = torch.randn(N, ell, device=dev, dtype=dt)
+            leaves = [z, w, routed.w13, routed.w2]
+
+            def loop():
+                return routed.forward_looped(z, experts, w)
+
+            def grouped():
+                xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts)
+                return dispatcher.combine(routed(xg, tokens_per_expert), w, handle)
+
+            checks[kind] = {"grouped": compare(out_and_grads(grouped, leaves, dout),
+                                               out_and_grads(loop, leaves, dout))}
+            print(f"check {kind} grouped vs loop: {checks[kind]['grouped']}", flush=True)
+            assert max(checks[kind]["grouped"].values()) <= CHECK_LIMIT, checks[kind]
+            megatron, reason = None, info["megatron"].get("error")
+            if mcore is not None:
+                try:
+                    fn, mleaves, err = megatron_case(mcore, ref, z, experts, weights, w, dout)
+                    checks[kind]["megatron"] = err
+                    print(f"check {kind} megatron vs loop (SwiGLU): {err}", flush=True)
+                    if max(err.values()) <= CHECK_LIMIT:
+                        megatron = (fn, mleaves, dout)
+                    else:
+                        reason = f"differs from the loop reference by {max(err.values()):.3g} > {CHECK_LIMIT}"
+                except Exception as e:  # noqa: BLE001 - the row says why
+                    reason = failure(e)
+            timed(kind, "loop", loop, leaves, dout)
+            timed(kind, "grouped", grouped, leaves, dout)
+            if megatron is None:
+                rows.append(dict(routing=kind, impl="megatron", na=reason))
+            else:
+                timed(kind, "megatron", *megatron, experts=info["megatron"]["experts"])
+            del z, w, dout, megatron
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            dump()
+    finally:
+        if dist.is_initialized():  # by setup_megatron, once megatron.core imported
+            destroy_parallel()
+
+    print(f"\nMoE routed experts on {info['gpu']} (torch {info['torch']}), {args.dtype}: E={E} k={k} "
+          f"l={ell} I={I} N={N}, fwd+bwd {flops / 1e9:.1f} GFLOP; megatron: "
+          f"{info['megatron'].get('experts') or info['megatron']['error']}")
+    for kind, ld in loads.items():
+        print(f"  {kind} routing: tokens per expert max {ld['max']} / mean {ld['mean']:.0f} = "
+              f"{ld['max_over_mean']:.2f}, {ld['empty']} experts without tokens")
+    print(f"{'routing':<9}{'impl':<10}{'ms f+b':>9}{'TFLOP/s':>9}{'of dense':>9}")
+    for r in rows:
+        if "na" in r:
+            print(f"{r['routing']:<9}{r['impl']:<10}  n/a: {r['na']}")
+        else:
+            print(f"{r['routing']:<9}{r['impl']:<10}{r['ms']:9.3f}{r['TFLOPs']:9.1f}{r['of_dense']:9.2f}")
+    dump()
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

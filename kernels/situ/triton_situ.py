@@ -1,0 +1,161 @@
+"""Triton SiTU-GLU: one elementwise forward kernel and one backward kernel.
+
+Both take 2-D [M, I] views whose last dimension is contiguous and whose row strides are
+free (so the halves of a packed [M, 2I] gate_up tensor go in without a copy). A program
+handles a [BLOCK_M, BLOCK_N] tile on a (row blocks, column blocks) grid; loads are cast
+to fp32, all math is fp32, and stores cast to the output's dtype. The backward recomputes
+g, h and their derivatives from gate, up and grad_out (math in ``reference.py``) and
+writes dgate and dup through separate pointers, which may be the two halves of one
+packed [M, 2I] buffer.
+
+tanh and sech² use only ``tl.exp`` (libdevice is not available in the interpreter):
+with e = exp(−2|x|),
+
+    tanh|x| = (1 − e)/(1 + e),   sech² x = 4e/(1 + e)²
+
+and, for |x| < 0.625, where 1 − e cancels, the odd Taylor series of tanh through x¹⁷.
+Both stay within a few ulp of fp32 for every x, and nothing overflows: e ≤ 1, and σ is
+formed from exp(−|x|) in the same way.
+
+On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` must be set
+before triton is imported). The interpreter truncates fp32 → bf16 stores; GPUs round to
+nearest even.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# GPU tiles: 2048 elements a program (untuned); the interpreter takes small tiles so that
+# tests cover several blocks and the masked edges.
+GPU_BLOCK_ELEMS = 2048
+GPU_MAX_BLOCK_N = 256
+GPU_NUM_WARPS = 4
+INTERPRET_BLOCKS = (16, 32)
+
+
+@triton.jit
+def _tanh_sech2(x):
+    """(tanh x, sech² x) in fp32, a few ulp from exact for all x."""
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    # tanh x = x + x·z·P(z), z = x², P from the Taylor coefficients 2^2n (2^2n − 1) B_2n / (2n)!
+    z = x * x
+    p = z * (6404582.0 / 10854718875.0) - 929569.0 / 638512875.0
+    p = p * z + 21844.0 / 6081075.0
+    p = p * z - 1382.0 / 155925.0
+    p = p * z + 62.0 / 2835.0
+    p = p * z - 17.0 / 315.0
+    p = p * z + 2.0 / 15.0
+    p = p * z - 1.0 / 3.0
+    t = tl.where(ax < 0.625, x + x * z * p, tl.where(x < 0, -big, big))
+    return t, sech2
+
+
+@triton.jit
+def _sigmoid_pair(x):
+    """(σ(x), σ(−x)): with z = exp(−|x|), σ(|x|) = 1/(1 + z) and σ(−|x|) = z/(1 + z)."""
+    z = tl.exp(-tl.abs(x))
+    r = 1.0 / (1.0 + z)
+    pos = x >= 0
+    return tl.where(pos, r, z * r), tl.where(pos, z * r, r)
+
+
+@triton.jit
+def _tile(M, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row indices [BLOCK_M, 1] (int64), column indices [1, BLOCK_N] and the in-bounds mask."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, cols = rows[:, None], cols[None, :]
+    return rows, cols, (rows < M) & (cols < I)
+
+
+@triton.jit
+def _situ_fwd_kernel(G, U, O, M, I, stride_g, stride_u, stride_o, beta, linear_beta,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask = _tile(M, I, BLOCK_M, BLOCK_N)
+    a = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    ta, _ = _tanh_sech2(a / beta)
+    tc, _ = _tanh_sech2(c / linear_beta)
+    sa, _ = _sigmoid_pair(a)
+    out = beta * ta * sa * (linear_beta * tc)
+    tl.store(O + rows * stride_o + cols, out.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _situ_bwd_kernel(G, U, DO, DG, DU, M, I, stride_g, stride_u, stride_do, stride_dg,
+                     stride_du, beta, linear_beta,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask = _tile(M, I, BLOCK_M, BLOCK_N)
+    a = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    go = tl.load(DO + rows * stride_do + cols, mask=mask, other=0.0).to(tl.float32)
+    ta, sech2_a = _tanh_sech2(a / beta)
+    tc, sech2_c = _tanh_sech2(c / linear_beta)
+    sa, sna = _sigmoid_pair(a)
+    g = beta * ta * sa
+    dg = sa * (sech2_a + beta * ta * sna)
+    dgate = go * (linear_beta * tc) * dg
+    dup = go * g * sech2_c
+    tl.store(DG + rows * stride_dg + cols, dgate.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + rows * stride_du + cols, dup.to(DU.dtype.element_ty), mask=mask)
+
+
+def interpreter_active() -> bool:
+    """Whether the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(_situ_fwd_kernel, InterpretedFunction)
+
+
+def _launch(M: int, I: int, t: torch.Tensor):
+    """(grid, launch options) for an [M, I] problem on t's device."""
+    if t.is_cuda:
+        bn = min(GPU_MAX_BLOCK_N, max(16, triton.next_power_of_2(I)))
+        bm, opts = GPU_BLOCK_ELEMS // bn, {"num_warps": GPU_NUM_WARPS}
+    elif interpreter_active():
+        (bm, bn), opts = INTERPRET_BLOCKS, {}
+    else:
+        raise RuntimeError("the Triton SiTU kernels got a CPU tensor, but Triton's interpreter is "
+                           "off: set TRITON_INTERPRET=1 before triton is imported, or use "
+                           "backend='torch'")
+    return (triton.cdiv(M, bm), triton.cdiv(I, bn)), {"BLOCK_M": bm, "BLOCK_N": bn, **opts}
+
+
+def _check_rows(*ts: torch.Tensor) -> None:
+    """All [M, I] with a contiguous last dim (unless empty), on one device."""
+    for t in ts:
+        if t.ndim != 2 or t.shape != ts[0].shape or t.device != ts[0].device or (
+                t.numel() and t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"expected [M, I] views with a contiguous last dim on one device, got "
+                             f"{[(tuple(x.shape), x.stride(), str(x.device)) for x in ts]}")
+
+
+def situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float,
+                 linear_beta: float) -> torch.Tensor:
+    """gate, up: [M, I] (rows may be strided) → SiTU(gate, up): contiguous [M, I], gate.dtype."""
+    _check_rows(gate, up)
+    M, I = gate.shape
+    out = torch.empty((M, I), dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        grid, meta = _launch(M, I, gate)
+        _situ_fwd_kernel[grid](gate, up, out, M, I, gate.stride(0), up.stride(0), out.stride(0),
+                               float(beta), float(linear_beta), **meta)
+    return out
+
+
+def situ_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, dgate: torch.Tensor,
+                  dup: torch.Tensor, beta: float, linear_beta: float) -> None:
+    """Write grad_out·∂SiTU/∂gate into dgate and grad_out·∂SiTU/∂up into dup (all [M, I],
+    rows may be strided; dgate and dup may be the halves of one [M, 2I] buffer)."""
+    _check_rows(gate, up, grad_out, dgate, dup)
+    M, I = gate.shape
+    if M * I:
+        grid, meta = _launch(M, I, gate)
+        _situ_bwd_kernel[grid](gate, up, grad_out, dgate, dup, M, I, gate.stride(0), up.stride(0),
+                               grad_out.stride(0), dgate.stride(0), dup.stride(0),
+                               float(beta), float(linear_beta), **meta)
