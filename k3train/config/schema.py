@@ -60,7 +60,7 @@ class ModelConfig:
     # Re-score the router inputs at every s-th position of the step's sequences with the router
     # weights after the optimizer step, and estimate the next bias from those scores
     # (docs/moe_notes.md). Memory: d values per kept token per MoE layer. 0: the forward's scores.
-    qb_rescore_stride: int = 1
+    qb_rescore_stride: int = 0
     # Bias updates per optimizer step: 1 = once, after the step (as published); U > 1 also after
     # every n/U of the step's n micro-batches, from their forward scores. U must divide n.
     qb_updates_per_step: int = 1

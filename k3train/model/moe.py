@@ -36,6 +36,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
 
     x [M, K] (rows offsets[e-1]:offsets[e] belong to expert e), w [E, O, K], offsets [E] int32
     cumulative row counts → [M, O], row m = x[m] @ w[e(m)]ᵀ. Runs in x.dtype (bf16 under autocast).
+    torch's fast path is bf16 on sm_90/sm_100; other dtypes and GPUs take its per-group fallback,
+    which reads the offsets on the host (torch ≥ 2.10), as the CPU path does.
     """
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")

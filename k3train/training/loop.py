@@ -5,8 +5,8 @@ One optimizer step:
         loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
     average gradients over DP; ‖g‖ over TP; clip; optimizer.step(); scheduler.step()
         (model.qb_updates_per_step > 1: Quantile Balancing also between groups of micro-batches)
-    Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP), from the
-    step's router inputs re-scored by the updated router (model.qb_rescore_stride)
+    Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP), optionally
+    from the step's router inputs re-scored by the updated router (model.qb_rescore_stride)
     QK-clip (Muon recipe) rescales MLA heads whose max logit exceeded τ
 
 Runs the same on CPU (gloo, fp32) and GPU (NCCL, bf16 autocast).
