@@ -23,21 +23,11 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..backend import use_triton
 from . import reference
 
 __all__ = ["situ_glu", "situ_glu_packed"]
 
-_BACKENDS = ("auto", "triton", "torch")
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown SiTU backend {backend!r}; expected one of {_BACKENDS}")
-    use = backend == "triton" or (backend == "auto" and x.is_cuda)
-    if use and x.dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"the Triton SiTU kernels take {_KERNEL_DTYPES}, got {x.dtype}")
-    return use
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +80,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must have one shape and dtype")
-    if _use_triton(gate, backend):
+    if use_triton(gate, backend, "SiTU"):
         return _SiTUGLU.apply(gate, up, float(beta), float(linear_beta))
     return reference.situ_forward(gate, up, beta, linear_beta)
 
@@ -100,7 +90,7 @@ def situ_glu_packed(gate_up: torch.Tensor, beta: float = 4.0, linear_beta: float
     """SiTU of gate_up [..., 2I] = [gate | up] along the last dim → [..., I]."""
     if gate_up.ndim == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up needs an even last dim, got shape {tuple(gate_up.shape)}")
-    if _use_triton(gate_up, backend):
+    if use_triton(gate_up, backend, "SiTU"):
         return _SiTUGLUPacked.apply(gate_up, float(beta), float(linear_beta))
     i = gate_up.shape[-1] // 2
     return reference.situ_forward(gate_up[..., :i], gate_up[..., i:], beta, linear_beta)

@@ -1,0 +1,108 @@
+"""MoE token permutation as fused gather/scatter ops with their own backwards.
+
+With N tokens, k choices a token, ``order`` a permutation of range(N·k) (grouped row m holds
+token copy order[m] = i·k + j, token i's j-th choice) and ``inverse`` its inverse permutation
+(inverse[order[m]] = m); math in ``reference.py``::
+
+    x = dispatch_rows(z, order, inverse, top_k)    # z [N, ℓ] → x [N·k, ℓ], x[m] = z[order[m] // k]
+    u = combine_rows(y, weights, order, inverse)   # y [N·k, ℓ], weights [N, k] → u [N, ℓ],
+                                                   # u[i] = Σ_j weights[i, j] · y[inverse[i·k + j]]
+
+Sums (over the k copies, and over ℓ for dweights) are taken in fp32; outputs and gradients come
+in their input's dtype (u and dy in y's, dz in z's, dweights in weights'). ``order`` and
+``inverse`` are int32 or int64 on the tensors' device; both backwards are gathers, or scatters
+that write every row once, so nothing uses atomics and results are deterministic. ``backend``:
+
+* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
+* ``"triton"``: the kernels of ``triton_permute.py`` (bf16, fp16, fp32), one launch forward and
+  one backward each, reading only ``inverse``; dispatch saves only ``inverse``, combine ``inverse``
+  plus y (if weights need a gradient) and weights (if y needs one). On CPU through Triton's
+  interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported;
+* ``"torch"``: ``reference.dispatch_rows`` / ``reference.combine_rows``, differentiated by torch
+  autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..backend import use_triton
+from . import reference
+
+__all__ = ["dispatch_rows", "combine_rows"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_indices(order: torch.Tensor, inverse: torch.Tensor, m: int, device: torch.device) -> None:
+    for name, t in (("order", order), ("inverse", inverse)):
+        if t.shape != (m,) or t.dtype not in _INDEX_DTYPES or t.device != device:
+            raise ValueError(f"{name} must be an int32/int64 [{m}] tensor on {device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, ℓ] with a contiguous last dim (row strides stay free)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+class _DispatchRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, inverse, top_k):
+        from .triton_permute import dispatch_forward
+        ctx.save_for_backward(inverse)
+        ctx.top_k, ctx.dtype = top_k, z.dtype
+        return dispatch_forward(z, inverse, top_k)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dx):
+        from .triton_permute import dispatch_backward
+        (inverse,) = ctx.saved_tensors
+        return dispatch_backward(_rows(dx), inverse, ctx.top_k, ctx.dtype), None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, inverse):
+        from .triton_permute import combine_forward
+        need_dy, need_dw = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(y if need_dw else None, weights if need_dy else None, inverse)
+        ctx.top_k, ctx.dtypes = weights.shape[1], (y.dtype, weights.dtype)
+        return combine_forward(y, weights, inverse)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, du):
+        from .triton_permute import combine_backward
+        y, weights, inverse = ctx.saved_tensors
+        dy, dw = combine_backward(_rows(du), y, weights, inverse, ctx.top_k, *ctx.dtypes)
+        return dy, dw, None
+
+
+def dispatch_rows(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int,
+                  backend: str = "auto") -> torch.Tensor:
+    """z [N, ℓ] → x [N·k, ℓ] in z.dtype, x[m] = z[order[m] // top_k]; dz sums the k copies."""
+    if z.ndim != 2 or top_k < 1:
+        raise ValueError(f"z must be [N, ℓ] and top_k ≥ 1, got {tuple(z.shape)} and {top_k}")
+    _check_indices(order, inverse, z.shape[0] * top_k, z.device)
+    if use_triton(z, backend, "MoE permute"):
+        return _DispatchRows.apply(_rows(z), inverse.contiguous(), int(top_k))
+    return reference.dispatch_rows(z, order, inverse, top_k)
+
+
+def combine_rows(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                 backend: str = "auto") -> torch.Tensor:
+    """y [N·k, ℓ] (grouped rows), weights [N, k] (fp32 or y.dtype) → u [N, ℓ] in y.dtype,
+    u[i] = Σ_j weights[i, j] · y[inverse[i·k + j]]."""
+    if y.ndim != 2 or weights.ndim != 2 or y.shape[0] != weights.numel():
+        raise ValueError(f"y must be [N·k, ℓ] for weights [N, k], got {tuple(y.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if weights.dtype not in (torch.float32, y.dtype) or weights.device != y.device:
+        raise ValueError(f"weights must be fp32 or y's dtype {y.dtype} on {y.device}, got "
+                         f"{weights.dtype} on {weights.device}")
+    _check_indices(order, inverse, y.shape[0], y.device)
+    if use_triton(y, backend, "MoE permute"):
+        return _CombineRows.apply(_rows(y), weights.contiguous(), inverse.contiguous())
+    return reference.combine_rows(y, weights, order, inverse)
