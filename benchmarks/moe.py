@@ -17,7 +17,7 @@ output gradient; medians of triton.testing.do_bench (time.perf_counter on CPU).
   ``grouped_gemm`` package imports, else SequentialMLP (a ColumnParallelLinear/RowParallelLinear
   pair per expert). It runs its own SwiGLU (torch.compile-fused on CUDA), not SiTU.
 * dense: x [N*k, l] -> SiTU(x W13^T) W2^T with one expert's weights: the same GEMMs and SiTU
-  without routing, the ceiling.
+  without routing, the ceiling ("of dense" is against it); dense_gemm: the same two GEMMs alone.
 Routing: natural = K3's sigmoid top-k router on N(0, 1) inputs of width --router-dim with
 N(0, 0.02) router weights; skewed = k distinct experts per token drawn with probability
 proportional to a Dirichlet(0.3) expert popularity.
@@ -222,8 +222,10 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up per row")
     ap.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per row")
+    ap.add_argument("--impls", default="loop,grouped,megatron", help="rows after the two dense ones")
     ap.add_argument("--json", default="moe_bench.json")
     args = ap.parse_args(argv)
+    impls = args.impls.split(",")
     E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
     M, dt = N * k, DTYPES[args.dtype]
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -246,14 +248,16 @@ def main(argv=None):
     routed = routed_experts(E, k, ell, I).to(dev, dt)
     dispatcher = LocalTokenDispatcher(E)
     try:
-        mcore, ref, info["megatron"] = setup_megatron(E, k, ell, I, dt, dev)
+        mcore, ref, info["megatron"] = (setup_megatron(E, k, ell, I, dt, dev) if "megatron" in impls
+                                        else (None, None, {"error": "not asked for (--impls)"}))
         print(info, flush=True)
         # dense: the same GEMMs and SiTU on M rows with expert 0's weights
         x = torch.randn(M, ell, device=dev, dtype=dt, requires_grad=True)
         a, b = (p[0].detach().clone().requires_grad_(True) for p in (routed.w13, routed.w2))
-        timed("any", "dense", lambda: situ_glu(*(x @ a.t()).chunk(2, -1)) @ b.t(), [x, a, b],
-              torch.randn(M, ell, device=dev, dtype=dt))
-        del x, a, b
+        d_out = torch.randn(M, ell, device=dev, dtype=dt)
+        timed("any", "dense", lambda: situ_glu(*(x @ a.t()).chunk(2, -1)) @ b.t(), [x, a, b], d_out)
+        timed("any", "dense_gemm", lambda: (x @ a.t())[:, :I] @ b.t(), [x, a, b], d_out)  # GEMMs alone
+        del x, a, b, d_out
         for kind in args.routing.split(","):
             experts, weights = make_routing(kind, N, E, k, args.router_dim)
             counts = torch.bincount(experts.flatten(), minlength=E)
@@ -288,9 +292,12 @@ def main(argv=None):
                         reason = f"differs from the loop reference by {max(err.values()):.3g} > {CHECK_LIMIT}"
                 except Exception as e:  # noqa: BLE001 - the row says why
                     reason = failure(e)
-            timed(kind, "loop", loop, leaves, dout)
+            if "loop" in impls:
+                timed(kind, "loop", loop, leaves, dout)
             timed(kind, "grouped", grouped, leaves, dout)
-            if megatron is None:
+            if "megatron" not in impls:
+                pass
+            elif megatron is None:
                 rows.append(dict(routing=kind, impl="megatron", na=reason))
             else:
                 timed(kind, "megatron", *megatron, experts=info["megatron"]["experts"])

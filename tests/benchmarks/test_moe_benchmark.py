@@ -46,7 +46,7 @@ def run(bench, tmp_path, extra=""):
 def test_smoke_run_checks_and_times_every_row(bench, tmp_path, one_rank):
     res = run(bench, tmp_path)
     rows = res["rows"]
-    assert [(r["routing"], r["impl"]) for r in rows] == [("any", "dense")] + [
+    assert [(r["routing"], r["impl"]) for r in rows] == [("any", "dense"), ("any", "dense_gemm")] + [
         (kind, impl) for kind in ("natural", "skewed") for impl in ("loop", "grouped", "megatron")]
     assert all(r["ms"] > 0 and r["TFLOPs"] > 0 and r["of_dense"] > 0 for r in rows), rows
     mc = res["info"]["megatron"]
@@ -66,7 +66,7 @@ def test_megatron_failure_is_a_reason_not_a_number(bench, tmp_path, one_rank, mo
     res = run(bench, tmp_path, "--routing skewed")
     row = [r for r in res["rows"] if r["impl"] == "megatron"]
     assert row == [dict(routing="skewed", impl="megatron", na="ImportError: no megatron here")]
-    assert [r["impl"] for r in res["rows"] if "ms" in r] == ["dense", "loop", "grouped"]
+    assert [r["impl"] for r in res["rows"] if "ms" in r] == ["dense", "dense_gemm", "loop", "grouped"]
 
 
 def test_routings(bench):

@@ -1,0 +1,78 @@
+"""Where the grouped MoE path's time goes: each piece forward+backward on its own (GPU, bf16).
+
+    python benchmarks/moe_components.py --json moe_components.json
+
+Pieces at bench-1B MoE dims by default (E=128, k=8, ℓ=512, I=256, 16384 tokens, natural routing):
+the dispatch (argsort, bincount, row gather), argsort + bincount alone, the W13 and W2 grouped
+GEMMs, the fused SiTU-GLU and the weighted combine; ``triton.testing.do_bench`` medians, ms.
+``benchmarks/moe.py`` times the whole path against the dense ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+from k3train.config.schema import ModelConfig  # noqa: E402
+from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
+from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
+from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+from kernels.situ import situ_glu_packed  # noqa: E402
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--latent", type=int, default=512)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--json", default="moe_components.json")
+    args = ap.parse_args()
+    E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    cfg = ModelConfig(num_experts=E, num_experts_per_token=k, latent_size=ell, moe_intermediate_size=I)
+    experts = RoutedExperts(cfg, TPSpec(None, 0.02)).to(dev)
+    idx = torch.randn(N, E, device=dev).topk(k, -1).indices
+    disp = LocalTokenDispatcher(E)
+    z = torch.randn(N, ell, device=dev, dtype=bf16, requires_grad=True)
+    w = torch.rand(N, k, device=dev, requires_grad=True)
+    _, tokens_per_expert, handle = disp.dispatch(z, idx)
+    offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+    rows = torch.randn(N * k, ell, device=dev, dtype=bf16, requires_grad=True)
+    gate_up = torch.randn(N * k, 2 * I, device=dev, dtype=bf16, requires_grad=True)
+    hidden = torch.randn(N * k, I, device=dev, dtype=bf16, requires_grad=True)
+
+    def fwd_bwd(fn, *leaves) -> float:
+        out = fn()
+        grad = torch.randn_like(out)
+        return do_bench(lambda: torch.autograd.grad(fn(), leaves, grad), warmup=25, rep=100)
+
+    flat = idx.flatten()
+    times = {
+        "dispatch": fwd_bwd(lambda: disp.dispatch(z, idx)[0], z),
+        "argsort+bincount": do_bench(lambda: (flat.argsort(stable=True), torch.bincount(flat, minlength=E))),
+        "grouped GEMM W13": fwd_bwd(lambda: grouped_linear(rows, experts.w13, offsets), rows, experts.w13),
+        "SiTU-GLU": fwd_bwd(lambda: situ_glu_packed(gate_up), gate_up),
+        "grouped GEMM W2": fwd_bwd(lambda: grouped_linear(hidden, experts.w2, offsets), hidden, experts.w2),
+        "combine": fwd_bwd(lambda: disp.combine(rows, w, handle), rows, w),
+    }
+    print(f"{torch.cuda.get_device_name()}, bf16, E={E} k={k} ℓ={ell} I={I} N={N}, fwd+bwd")
+    for name, ms in times.items():
+        print(f"{name:>18} {ms:8.3f} ms")
+    with open(args.json, "w") as fh:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, experts=E, topk=k, latent=ell,
+                       width=I, tokens=N, ms=times), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
