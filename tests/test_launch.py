@@ -40,8 +40,9 @@ def test_torchrun_dry_run_and_bad_nproc():
 
 def test_torchrun_starts_two_cpu_processes(tmp_path):
     probe = tmp_path / "k3probe.py"
-    probe.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], "
-                     "'threads', os.environ['OMP_NUM_THREADS'], 'args', ' '.join(sys.argv[1:]), flush=True)\n")
+    # One write per line: the two ranks share the pipe, and print() writes each argument separately.
+    probe.write_text("import os, sys\nos.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} "
+                     "threads {os.environ['OMP_NUM_THREADS']} args {' '.join(sys.argv[1:])}\\n\".encode())\n")
     env = {"NPROC": "2", "K3_ENTRY": "k3probe", "PYTHONPATH": str(tmp_path), "VENV": str(Path(sys.executable).parent.parent)}
     r = _run([str(LAUNCH / "torchrun.sh"), "a=1"], env, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
