@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 from k3train.config.load import load_config  # noqa: E402
 from k3train.config.validate import validate  # noqa: E402
+from k3train.parallel.state import destroy_parallel  # noqa: E402
 from k3train.training.loop import Trainer  # noqa: E402
 
 RUN = ["logging.wandb=false", "logging.console=false", "train.resume=none", "train.eval_every=0",
@@ -46,6 +47,7 @@ def run_variant(overrides: list[str], steps: int, out_dir: str) -> list[dict]:
         rows.append({k: r[k] for k in ("step", "loss", "step_time_s", "expert_load_max_over_mean",
                                        "expert_load_per_layer", "qb_bias_range")})
     del trainer
+    destroy_parallel()  # each variant starts from fresh process groups
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -23,17 +22,6 @@ def bench():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    """A single-process torch.distributed environment, restored afterwards."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                            LOCAL_RANK="0").items():
-        monkeypatch.setenv(name, value)
 
 
 def run(bench, tmp_path, extra=""):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import qb_sweep  # noqa: E402
 
 
-def test_sweep_runs_variants_and_writes_json(tmp_path, capsys):
+def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
     out = tmp_path / "sweep.json"
     base = ("model=k3_tiny train.device=cpu train.steps=200 data.seq_len=64 train.global_batch_size=4 "
             "train.micro_batch_size=2")
@@ -33,8 +33,16 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys):
     assert "published" in table and "within" in table
 
 
-def test_sweep_refuses_a_bad_variant_by_its_field(tmp_path):
+def test_sweep_refuses_a_bad_variant_by_its_field(tmp_path, one_rank):
     with pytest.raises(ConfigError, match=r"model\.qb_updates_per_step"):
         qb_sweep.main(["--steps", "1", "--json", str(tmp_path / "s.json"), "--base",
                        "model=k3_tiny train.device=cpu train.global_batch_size=4 train.micro_batch_size=4",
                        "bad:model.qb_updates_per_step=2"])
+
+
+def test_sweep_leaves_no_process_group(tmp_path, one_rank):
+    import torch.distributed as dist
+
+    qb_sweep.main(["--steps", "1", "--json", str(tmp_path / "s.json"), "--base",
+                   "model=k3_tiny train.device=cpu data.seq_len=64 train.global_batch_size=4", "only:"])
+    assert not dist.is_initialized()
