@@ -13,8 +13,7 @@ import torch
 
 
 class ExpertLoad:
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
+    def __init__(self):
         self.tokens: torch.Tensor | None = None  # [E] fp32
         self.worst: torch.Tensor | None = None  # [] fp32
 

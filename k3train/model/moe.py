@@ -134,7 +134,7 @@ class LatentMoE(nn.Module):
                                          cfg.qb_bins, cfg.qb_ema)
         self.qb_rescore_stride = cfg.qb_rescore_stride
         self.router_inputs: list[torch.Tensor] = []  # [tokens, d] per micro-batch, detached
-        self.load = ExpertLoad(cfg.num_experts)
+        self.load = ExpertLoad()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
