@@ -3,8 +3,9 @@
     python benchmarks/moe_components.py --json moe_components.json
 
 Pieces at bench-1B MoE dims by default (E=128, k=8, ℓ=512, I=256, 16384 tokens, natural routing):
-the dispatch (argsort, bincount, row gather), argsort + bincount alone, the W13 and W2 grouped
-GEMMs, the fused SiTU-GLU and the weighted combine; ``triton.testing.do_bench`` medians, ms.
+the dispatch (argsort, bincount, row gather), argsort + bincount alone, the row gather and the
+weighted combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference), the W13
+and W2 grouped GEMMs and the fused SiTU-GLU; ``triton.testing.do_bench`` medians, ms.
 ``benchmarks/moe.py`` times the whole path against the dense ceiling.
 """
 
@@ -23,6 +24,7 @@ from k3train.config.schema import ModelConfig  # noqa: E402
 from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+from kernels.moe_permute import combine_rows, dispatch_rows  # noqa: E402
 from kernels.situ import situ_glu_packed  # noqa: E402
 
 
@@ -64,8 +66,12 @@ def main() -> None:
         "grouped GEMM W13": fwd_bwd(lambda: grouped_linear(rows, experts.w13, offsets), rows, experts.w13),
         "SiTU-GLU": fwd_bwd(lambda: situ_glu_packed(gate_up), gate_up),
         "grouped GEMM W2": fwd_bwd(lambda: grouped_linear(hidden, experts.w2, offsets), hidden, experts.w2),
-        "combine": fwd_bwd(lambda: disp.combine(rows, w, handle), rows, w),
     }
+    for backend in ("triton", "torch"):
+        times[f"dispatch rows ({backend})"] = fwd_bwd(
+            lambda: dispatch_rows(z, handle.order, handle.inverse, k, backend=backend), z)
+        times[f"combine ({backend})"] = fwd_bwd(
+            lambda: combine_rows(rows, w, handle.order, handle.inverse, backend=backend), rows, w)
     print(f"{torch.cuda.get_device_name()}, bf16, E={E} k={k} ℓ={ell} I={I} N={N}, fwd+bwd")
     for name, ms in times.items():
         print(f"{name:>18} {ms:8.3f} ms")
