@@ -11,6 +11,11 @@ A variant is ``TAG:override,override,...`` on top of ``--base`` (Hydra overrides
 config's ``train.steps``. The table gives, per variant, the median step time, the loss at the end
 and the worst layer's step-pooled load max/mean from step ``--from-step`` on; the JSON holds every
 step's loss and per-layer loads. docs/moe_notes.md §3 has the figures.
+
+``--oracle`` also records, per step and layer, the load a bias *fitted on the step's own forward
+scores* would give (10 exact Quantile Balancing iterations on those scores: not causal, so not a
+method, but the floor any per-expert bias can reach on that step; repeated, near-identical tokens
+keep it above 1), and the same per micro-batch next to the load the run's bias gave it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 from k3train.config.load import load_config  # noqa: E402
 from k3train.config.validate import validate  # noqa: E402
+from k3train.model.quantile_balancing import exact_bias  # noqa: E402
 from k3train.parallel.state import destroy_parallel  # noqa: E402
 from k3train.training.loop import Trainer  # noqa: E402
 
@@ -36,16 +42,75 @@ RUN = ["logging.wandb=false", "logging.console=false", "train.resume=none", "tra
        "train.save_every=0"]
 
 
-def run_variant(overrides: list[str], steps: int, out_dir: str) -> list[dict]:
+def _max_over_mean(counts: torch.Tensor) -> torch.Tensor:
+    counts = counts.float()
+    return counts.max() / counts.mean()
+
+
+def fitted_load(scores: torch.Tensor, top_k: int, bias: torch.Tensor, iters: int = 10) -> torch.Tensor:
+    """Load max/mean of scores [N, E] routed with a bias fitted on these very scores: ``iters``
+    exact Quantile Balancing updates from ``bias`` (b ← q-quantile of α(b) − s, centred)."""
+    b = bias.clone()
+    for _ in range(iters):
+        alpha = (scores + b).topk(top_k + 1, dim=-1).values[:, top_k]
+        b = exact_bias(alpha[:, None] - scores, top_k)
+    chosen = (scores + b).topk(top_k, dim=-1).indices.flatten()
+    return _max_over_mean(torch.bincount(chosen, minlength=scores.shape[1]))
+
+
+class OracleRecorder:
+    """Keeps one MoE layer's forward scores over a step (not the re-scored ones of the QB update)
+    and, per micro-batch, the load its bias gave next to ``fitted_load``."""
+
+    def __init__(self, layer):
+        self.scores: list[torch.Tensor] = []
+        self.micro: list[torch.Tensor] = []  # [actual, fitted] per micro-batch
+        self._in_update = False
+        balancer, update_bias = layer.balancer, layer.update_bias
+
+        def observe(scores, cutoff, bias):
+            if not self._in_update:
+                k = balancer.top_k
+                chosen = (scores + bias).topk(k, dim=-1).indices.flatten()
+                actual = _max_over_mean(torch.bincount(chosen, minlength=scores.shape[1]))
+                self.micro.append(torch.stack([actual, fitted_load(scores, k, bias)]))
+                self.scores.append(scores)
+            return type(balancer).observe(balancer, scores, cutoff, bias)
+
+        def update(*args, **kwargs):
+            self._in_update = True
+            try:
+                return update_bias(*args, **kwargs)
+            finally:
+                self._in_update = False
+
+        balancer.observe, layer.update_bias = observe, update
+        self.layer = layer
+
+    def pop(self) -> dict:
+        """This step's pooled fitted load and the per-micro-batch [actual, fitted] pairs."""
+        pooled = fitted_load(torch.cat(self.scores), self.layer.balancer.top_k,
+                             self.layer.gate.e_score_correction_bias)
+        micro = torch.stack(self.micro).tolist()
+        self.scores, self.micro = [], []
+        return {"pooled": round(float(pooled), 4), "micro": [[round(a, 4), round(f, 4)] for a, f in micro]}
+
+
+def run_variant(overrides: list[str], steps: int, out_dir: str, oracle: bool = False) -> list[dict]:
     cfg = load_config(overrides + RUN + [f"train.out_dir={out_dir}"])
     validate(cfg)  # one process: what python -m k3train.train checks at start-up
     trainer = Trainer(cfg)
+    recorders = [OracleRecorder(layer) for layer in trainer.model.moe_layers()] if oracle else []
     rows = []
     for _ in range(steps):
         r = trainer.train_step()
         trainer.step += 1
         rows.append({k: r[k] for k in ("step", "loss", "step_time_s", "expert_load_max_over_mean",
                                        "expert_load_per_layer", "qb_bias_range")})
+        if recorders:
+            fitted = [rec.pop() for rec in recorders]
+            rows[-1]["fitted_load_per_layer"] = [f["pooled"] for f in fitted]
+            rows[-1]["micro_batch_load_actual_fitted"] = [f["micro"] for f in fitted]
     del trainer
     destroy_parallel()  # each variant starts from fresh process groups
     gc.collect()
@@ -61,6 +126,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--from-step", type=int, default=20, help="first step of the worst-load column")
     ap.add_argument("--json", default="qb_sweep.json")
+    ap.add_argument("--oracle", action="store_true", help="also record the fitted (non-causal) load floor")
     args = ap.parse_args(argv)
 
     results = {}
@@ -68,18 +134,22 @@ def main(argv=None) -> None:
         tag, _, extra = spec.partition(":")
         overrides = args.base.split() + [o for o in extra.split(",") if o]
         with tempfile.TemporaryDirectory() as out_dir:
-            rows = run_variant(overrides, args.steps, out_dir)
+            rows = run_variant(overrides, args.steps, out_dir, args.oracle)
         results[tag] = {"overrides": overrides, "rows": rows}
         with open(args.json, "w") as fh:
             json.dump(results, fh)
 
-    print(f"{'variant':<16}{'ms/step':>9}{'loss':>8}{'worst load':>12}  (worst layer, steps >= {args.from_step})")
+    print(f"{'variant':<16}{'ms/step':>9}{'loss':>8}{'median load':>13}{'worst load':>13}"
+          f"{'fitted med':>13}{'fitted worst':>13}  (worst layer a step, steps >= {args.from_step})")
     for tag, res in results.items():
         rows = res["rows"]
-        late = [r["expert_load_max_over_mean"] for r in rows if r["step"] >= args.from_step]
+        late = [r for r in rows if r["step"] >= args.from_step]
         ms = 1e3 * statistics.median(r["step_time_s"] for r in rows)
-        worst = f"{max(late):12.2f}" if late else f"{'-':>12}"
-        print(f"{tag:<16}{ms:9.1f}{rows[-1]['loss']:8.3f}{worst}")
+        cols = []
+        for key in ("expert_load_per_layer", "fitted_load_per_layer"):
+            worst = [max(r[key]) for r in late if key in r]
+            cols.append(f"{statistics.median(worst):13.2f}{max(worst):13.2f}" if worst else f"{'-':>13}{'-':>13}")
+        print(f"{tag:<16}{ms:9.1f}{rows[-1]['loss']:8.3f}{cols[0]}{cols[1]}")
     print(f"wrote {args.json}")
 
 

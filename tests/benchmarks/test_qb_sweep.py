@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3train.config.validate import ConfigError
 
@@ -19,7 +20,7 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
     out = tmp_path / "sweep.json"
     base = ("model=k3_tiny train.device=cpu train.steps=200 data.seq_len=64 train.global_batch_size=4 "
             "train.micro_batch_size=2")
-    qb_sweep.main(["--steps", "3", "--from-step", "2", "--base", base, "--json", str(out),
+    qb_sweep.main(["--steps", "3", "--from-step", "2", "--base", base, "--json", str(out), "--oracle",
                    "published:", "within:model.qb_updates_per_step=2"])
     res = json.loads(out.read_text())
     assert list(res) == ["published", "within"]
@@ -28,9 +29,28 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
         rows = res[tag]["rows"]
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert all(len(r["expert_load_per_layer"]) == 8 and r["expert_load_max_over_mean"] >= 1.0 for r in rows)
+        for r in rows:  # the fitted floor: one per layer, per micro-batch next to the actual load
+            assert len(r["fitted_load_per_layer"]) == 8 and min(r["fitted_load_per_layer"]) >= 1.0
+            assert all(len(layer) == 2 and all(len(p) == 2 for p in layer)
+                       for layer in r["micro_batch_load_actual_fitted"])
     assert res["within"]["rows"][0] != res["published"]["rows"][0]  # a within-step update changes step 1
     table = capsys.readouterr().out
-    assert "published" in table and "within" in table
+    assert "published" in table and "within" in table and "fitted worst" in table
+
+
+def test_fitted_load_balances_what_a_bias_can_split():
+    """Distinct random scores: the fitted bias brings a skewed router to near-perfect balance;
+    identical tokens: no bias can split them, the load stays E/k."""
+    g = torch.Generator().manual_seed(0)
+    N, E, k = 4096, 16, 2
+    skew = torch.linspace(0.0, 0.5, E)
+    scores = torch.rand(N, E, generator=g) * 0.3 + skew
+    zero = torch.zeros(E)
+    plain = torch.bincount((scores + zero).topk(k, -1).indices.flatten(), minlength=E).float()
+    assert float(plain.max() / plain.mean()) > 3.0
+    assert float(qb_sweep.fitted_load(scores, k, zero)) < 1.05
+    same = scores[:1].expand(N, E).clone()
+    assert float(qb_sweep.fitted_load(same, k, zero)) == E / k
 
 
 def test_sweep_refuses_a_bad_variant_by_its_field(tmp_path, one_rank):
