@@ -26,6 +26,14 @@ def train(out_dir: Path, *overrides: str, check: bool = True, base: tuple[str, .
     return proc
 
 
+def torchrun(out_dir: Path, *overrides: str, nproc: int = 2) -> None:
+    """``launch/torchrun.sh`` on ``nproc`` gloo processes with the FAST base config."""
+    env = dict(os.environ, NPROC=str(nproc), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), *FAST, f"train.out_dir={out_dir}",
+                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def losses(out_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}

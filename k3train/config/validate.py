@@ -65,7 +65,7 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
         _need(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
     _need(p.backend in ("auto", "gloo", "nccl"), f"parallel.backend={p.backend!r}: use auto, gloo or nccl")
     validate_model(cfg.model, p.tensor, p.expert)
-    for name in ("pipeline", "context", "expert"):
+    for name in ("pipeline", "context"):
         _need(getattr(p, name) == 1, f"parallel.{name}={getattr(p, name)} is not supported by the training loop "
                                      f"yet; set parallel.{name}=1")
     _need(p.expert_tensor == p.tensor, f"parallel.expert_tensor={p.expert_tensor} must equal parallel.tensor="
@@ -74,6 +74,11 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(world_size % model_parallel == 0,
           f"world size {world_size} is not divisible by parallel.tensor*pipeline*context={model_parallel}; "
           f"launch a multiple of {model_parallel} processes")
+    data_parallel = world_size // model_parallel
+    _need(data_parallel % p.expert == 0,
+          f"parallel.expert={p.expert} must divide the {data_parallel} data-parallel ranks (world size {world_size} / "
+          f"parallel.tensor*pipeline*context={model_parallel}); launch {model_parallel * p.expert}·n processes or "
+          f"lower parallel.expert")
 
     o = cfg.optim
     _need(o.name in ("adamw", "muon"), f"optim.name={o.name!r}: use adamw or muon")

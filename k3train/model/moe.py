@@ -27,7 +27,7 @@ from k3train.model.quantile_balancing import QuantileBalancer
 from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
-from k3train.parallel.token_dispatcher import LocalTokenDispatcher
+from k3train.parallel.token_dispatcher import token_dispatcher
 from kernels.situ import situ_glu_packed
 
 
@@ -47,7 +47,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
 class RoutedExperts(nn.Module):
     """E experts in the latent space, stacked for grouped GEMMs.
 
-    w13: [E, 2·I_local, ℓ] (this rank's gate rows, then its up rows); w2: [E, ℓ, I_local].
+    w13: [E_l, 2·I_local, ℓ] (this rank's gate rows, then its up rows); w2: [E_l, ℓ, I_local], for
+    this rank's E_l = E / parallel.expert experts (global ids ep_rank·E_l …); the full stacks are
+    drawn first, so the model is the same at any TP and EP size.
     ``weight_fake_quant`` / ``input_fake_quant``: optional callables applied to every expert
     weight and GEMM input (quantization-aware training; None means full precision).
     """
@@ -55,14 +57,18 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPSpec):
         super().__init__()
         E, ell, I = cfg.num_experts, cfg.latent_size, cfg.moe_intermediate_size
-        self.num_experts = E
+        ep_size, ep_rank = (tp.groups.ep_size, tp.groups.ep_rank) if tp.groups else (1, 0)
+        self.num_experts = E // ep_size  # local experts
+        mine = slice(ep_rank * self.num_experts, (ep_rank + 1) * self.num_experts)
         self.width = tp.local(I, "model.moe_intermediate_size")
         self.beta, self.linear_beta = cfg.situ_beta, cfg.situ_linear_beta
-        w13 = torch.empty(E, 2 * I, ell).normal_(0.0, cfg.init_std)
-        w2 = torch.empty(E, ell, I).normal_(0.0, cfg.init_std)
-        self.w13 = set_role(nn.Parameter(tp.shard(w13, 1, stride=2)),
-                            ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1, tp_partition_stride=2))
-        self.w2 = set_role(nn.Parameter(tp.shard(w2, 2)), ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=2))
+        w13 = torch.empty(E, 2 * I, ell).normal_(0.0, cfg.init_std)[mine]
+        w2 = torch.empty(E, ell, I).normal_(0.0, cfg.init_std)[mine]
+        self.w13 = set_role(nn.Parameter(tp.shard(w13, 1, stride=2).contiguous()),
+                            ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1, tp_partition_stride=2,
+                                      ep_partition_dim=0))
+        self.w2 = set_role(nn.Parameter(tp.shard(w2, 2).contiguous()),
+                           ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=2, ep_partition_dim=0))
         self.weight_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.input_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -78,6 +84,9 @@ class RoutedExperts(nn.Module):
 
         y_m = W2_e · SiTU(W1_e x_m, W3_e x_m) for the expert e of row m; two grouped GEMMs.
         """
+        if x.shape[0] == 0:  # no token reached this rank's experts: stay in the graph, since the
+            # backward all-to-all of the dispatcher must run on every rank
+            return x + 0.0 * (self.w13.sum() + self.w2.sum())
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
         h = situ_glu_packed(grouped_linear(*self._operands(x, self.w13), offsets), self.beta, self.linear_beta)
         return grouped_linear(*self._operands(h, self.w2), offsets)
@@ -124,7 +133,9 @@ class LatentMoE(nn.Module):
         self.gate = SigmoidRouter(d, cfg.num_experts, cfg.num_experts_per_token, cfg.routed_scaling_factor,
                                   cfg.init_std)
         self.routed_expert_down_proj = tp.replicated(d, ell)
-        self.dispatcher = LocalTokenDispatcher(cfg.num_experts)
+        groups = tp.groups
+        self.dispatcher = token_dispatcher(cfg.num_experts, groups.ep if groups else None,
+                                           groups.ep_size if groups else 1)
         self.experts = RoutedExperts(cfg, tp)
         self.routed_expert_norm = RMSNorm(ell, cfg.rms_norm_eps)
         self.routed_expert_up_proj = tp.replicated(ell, d)
@@ -145,7 +156,7 @@ class LatentMoE(nn.Module):
         z = self.tp.copy_to_tp(self.routed_expert_down_proj(x))
         grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts)
         if self.training:
-            self.load.add(tokens_per_expert)
+            self.load.add(handle.tokens_per_expert)
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
         y = self.experts(grouped, tokens_per_expert)
         u = self.dispatcher.combine(y, self.tp.copy_to_tp(routing.weights), handle)

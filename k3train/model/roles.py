@@ -47,6 +47,9 @@ class ParamRole:
     # >1 when the sharded dim interleaves several logical matrices (e.g. gate rows then up
     # rows): each of the `stride` equal parts is sharded separately, as Megatron's stride.
     tp_partition_stride: int = 1
+    # The dimension sharded over expert parallelism (the expert dim of a routed-expert stack):
+    # gradients are reduced over the expert-data-parallel ranks and norms summed over EP.
+    ep_partition_dim: int | None = None
 
     @property
     def no_weight_decay(self) -> bool:

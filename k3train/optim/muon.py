@@ -15,7 +15,9 @@ one shape from different parameters share a Newton–Schulz call):
    wide (m <= n), and blocks of one shape are stacked into one batched NS call;
 4. DP: the shape buckets are spread over the DP ranks (whole small buckets, big ones cut,
    balanced by NS cost, ``assign_blocks``); each rank orthogonalizes its share and one
-   all-gather brings all updates to every rank, so per-rank NS work falls with DP;
+   all-gather brings all updates to every rank, so per-rank NS work falls with DP. Expert
+   stacks sharded over expert parallelism differ between EP ranks, so their buckets are spread
+   over ``expert_dp_group`` (the ranks holding the same experts) instead;
 5. ``p <- p (1 - lr wd) - lr * 0.2 sqrt(max(m, n)) * NS(u_block)``, with (m, n) the
    *block* shape (docs/muon_notes.md explains why).
 
@@ -42,7 +44,7 @@ import torch.distributed as dist
 
 from k3train.optim.newton_schulz import default_ns_dtype, muon_update_scale, newton_schulz
 from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params, tp_gather_cat, tp_local_slice
-from k3train.model.roles import require_role
+from k3train.model.roles import get_role, require_role
 
 __all__ = ["K3Muon", "build_muon"]
 
@@ -147,6 +149,7 @@ class K3Muon(torch.optim.Optimizer):
         *,
         dp_group=None,
         tp_group=None,
+        expert_dp_group=None,
         ns_dtype: Optional[torch.dtype] = None,
         ns_fn: Optional[Callable[..., torch.Tensor]] = None,
         stack_max_blocks: Optional[int] = None,
@@ -165,6 +168,7 @@ class K3Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.dp_group = dp_group
         self.tp_group = tp_group
+        self.expert_dp_group = expert_dp_group
         self.ns_dtype = ns_dtype
         self.ns_fn = ns_fn or newton_schulz
         self.stack_max_blocks = stack_max_blocks
@@ -330,9 +334,13 @@ class K3Muon(torch.optim.Optimizer):
             self.last_step_info = {}
             return
         self._tp_gather(items)
-        buckets = self._make_buckets(items)
-        self._fill_stacks(items, buckets)
-        self._orthogonalize(items, buckets)
+        buckets: list[_Bucket] = []
+        self._ns_blocks_local = 0
+        for indices, group in self._work_groups(items):
+            part = self._make_buckets(items, indices)
+            self._fill_stacks(items, part)
+            self._orthogonalize(items, part, group)
+            buckets += part
         for group in self.param_groups:
             if group["optimizer"] != "muon":
                 continue
@@ -375,10 +383,22 @@ class K3Muon(torch.optim.Optimizer):
             it.u = tp_gather_cat(pieces, it.spec.gather_dim, it.spec.stride)
             off += n
 
-    def _make_buckets(self, items: list[_Item]) -> list[_Bucket]:
+    def _work_groups(self, items: list[_Item]) -> list[tuple[list[int], Any]]:
+        """Item indices and the group that shares out their NS work: expert-parallel stacks over
+        ``expert_dp_group``, everything else over ``dp_group``."""
+        if self.expert_dp_group is None:
+            return [(list(range(len(items))), self.dp_group)]
+        is_expert = [get_role(it.param) is not None and get_role(it.param).ep_partition_dim is not None
+                     for it in items]
+        expert = [i for i, e in enumerate(is_expert) if e]
+        rest = [i for i, e in enumerate(is_expert) if not e]
+        return [(part, group) for part, group in ((rest, self.dp_group), (expert, self.expert_dp_group)) if part]
+
+    def _make_buckets(self, items: list[_Item], indices: list[int]) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         shared: dict[tuple, _Bucket] = {}
-        for i, it in enumerate(items):
+        for i in indices:
+            it = items[i]
             shape, steps, nb = it.spec.canonical_shape, it.group["ns_steps"], it.spec.num_blocks
             if self.stack_max_blocks is not None and nb >= self.stack_max_blocks:
                 buckets.append(_Bucket(shape, steps, [i], [nb]))
@@ -426,19 +446,20 @@ class K3Muon(torch.optim.Optimizer):
         dtype = self.ns_dtype or default_ns_dtype(x.device)
         return self.ns_fn(x, steps=bucket.ns_steps, scale=muon_update_scale(m, n), dtype=dtype)
 
-    def _orthogonalize(self, items: list[_Item], buckets: list[_Bucket]) -> None:
-        dp = _group_size(self.dp_group)
+    def _orthogonalize(self, items: list[_Item], buckets: list[_Bucket], group) -> None:
+        """NS of every bucket, shared out over the ranks of ``group`` (which hold the same blocks)."""
+        dp = _group_size(group)
         results: list[torch.Tensor] = []  # per bucket: [N, m, n] canonical
-        self._ns_blocks_local = sum(b.num_blocks for b in buckets)
         if dp == 1:
+            self._ns_blocks_local += sum(b.num_blocks for b in buckets)
             for b in buckets:
                 results.append(self._ns(self._bucket_input(b, 0, b.num_blocks), b))
         else:
-            rank = _group_rank(self.dp_group)
+            rank = _group_rank(group)
             # the per-call floor is a GPU launch cost; on CPU NS time is all FLOPs
             overhead = NS_CALL_OVERHEAD if items[0].buf.is_cuda else 0.0
             counts = assign_blocks(buckets, dp, overhead)
-            self._ns_blocks_local = sum(c[rank] for c in counts)
+            self._ns_blocks_local += sum(c[rank] for c in counts)
             device = items[0].buf.device
             dtype = self.ns_dtype or default_ns_dtype(device)
             mine = []
@@ -456,7 +477,7 @@ class K3Muon(torch.optim.Optimizer):
                 own = torch.cat(mine) if len(mine) > 1 else mine[0]
                 send[: own.numel()].copy_(own)
             recv = [torch.empty_like(send) for _ in range(dp)]
-            dist.all_gather(recv, send, group=self.dp_group)
+            dist.all_gather(recv, send, group=group)
             offs = [0] * dp
             for b, c in zip(buckets, counts):
                 m, n = b.shape
@@ -504,6 +525,7 @@ def build_muon(
     cfg: Any,
     dp_group=None,
     tp_group=None,
+    expert_dp_group=None,
     **kwargs,
 ) -> K3Muon:
     """One optimizer: Muon for MATRIX / EXPERT_MATRIX roles, AdamW for everything else.
@@ -557,7 +579,7 @@ def build_muon(
         raise ValueError("build_muon: no trainable parameters")
     if "ns_fn" not in kwargs:
         kwargs["ns_fn"] = ns_backend(str(cfg_get(cfg, "muon_ns_backend", "auto")))
-    return K3Muon(groups, dp_group=dp_group, tp_group=tp_group, **kwargs)
+    return K3Muon(groups, dp_group=dp_group, tp_group=tp_group, expert_dp_group=expert_dp_group, **kwargs)
 
 
 def ns_backend(name: str) -> Callable[..., torch.Tensor]:

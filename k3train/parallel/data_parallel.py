@@ -1,6 +1,12 @@
-"""Data-parallel gradient averaging and TP-aware global gradient norm and clipping.
+"""Data-parallel gradient averaging and TP/EP-aware global gradient norm and clipping.
 
 Megatron-Core's DDP and ``clip_grads`` assume CUDA; these run on gloo and NCCL alike.
+
+The loss is the mean over the DP ranks of each rank's mean loss. A replicated parameter's gradient
+is averaged over DP. An expert-parallel parameter (a routed-expert stack) already holds, after the
+dispatcher's backward all-to-all, the sum over its EP group's ranks of their losses' gradients;
+it is summed over the ranks that hold the same experts (``expert_dp``) and divided by the full
+DP size, which gives the same mean.
 """
 
 from __future__ import annotations
@@ -28,34 +34,60 @@ def _buckets(grads: list[torch.Tensor], limit: int):
         yield bucket
 
 
-def average_gradients(params: list[nn.Parameter], groups: ParallelGroups, bucket_bytes: int = 64 << 20) -> None:
-    """g ← mean over DP ranks of g, in flat buckets of at most ``bucket_bytes`` (one collective each)."""
-    if groups.dp_size == 1:
-        return
-    for bucket in _buckets([p.grad for p in params if p.grad is not None], bucket_bytes):
+def _is_expert_parallel(p: torch.Tensor) -> bool:
+    role = get_role(p)
+    return role is not None and role.ep_partition_dim is not None
+
+
+def _reduce(grads: list[torch.Tensor], group, divisor: int, bucket_bytes: int) -> None:
+    """g ← (Σ_group g) / divisor, in flat buckets (one all-reduce each)."""
+    for bucket in _buckets(grads, bucket_bytes):
         flat = torch.cat([g.flatten() for g in bucket])
-        dist.all_reduce(flat, group=groups.dp)
-        flat /= groups.dp_size
+        dist.all_reduce(flat, group=group)
+        flat /= divisor
         torch._foreach_copy_(bucket, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
 
 
+def average_gradients(params: list[nn.Parameter], groups: ParallelGroups, bucket_bytes: int = 64 << 20) -> None:
+    """Replicated parameters: g ← mean over DP of g. Expert-parallel ones: g ← (Σ_expert_dp g) / dp_size.
+
+    A parameter without a gradient on this rank (no token reached an expert stack) gets a zero one
+    first, so that every rank reduces the same buckets."""
+    if groups.dp_size == 1:
+        return
+    for p in params:
+        if p.grad is None and p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    grads = [(p.grad, _is_expert_parallel(p)) for p in params if p.grad is not None]
+    _reduce([g for g, ep in grads if not ep], groups.dp, groups.dp_size, bucket_bytes)
+    expert = [g for g, ep in grads if ep]
+    if expert and groups.expert_dp_size > 1:
+        _reduce(expert, groups.expert_dp, groups.dp_size, bucket_bytes)
+    elif expert:
+        torch._foreach_div_(expert, groups.dp_size)
+
+
 def global_grad_norm(params: list[nn.Parameter], groups: ParallelGroups | None) -> torch.Tensor:
-    """‖g‖₂ of the full model: TP-sharded gradients are summed over TP ranks, replicated ones counted once."""
+    """‖g‖₂ of the full model: squares of TP-sharded gradients are summed over TP ranks, of
+    expert-parallel ones over EP (and TP if also TP-sharded), replicated ones counted once."""
     device = params[0].device
-    sharded = torch.zeros((), device=device, dtype=torch.float32)
-    replicated = torch.zeros((), device=device, dtype=torch.float32)
+    # squared sums by (expert-parallel, TP-sharded)
+    sq = {key: torch.zeros((), device=device, dtype=torch.float32) for key in
+          ((False, False), (False, True), (True, False), (True, True))}
     for p in params:
         if p.grad is None:
             continue
-        sq = p.grad.float().pow(2).sum()
         role = get_role(p)
-        if role is not None and role.tp_partition_dim is not None:
-            sharded += sq
-        else:
-            replicated += sq
+        key = (role is not None and role.ep_partition_dim is not None,
+               role is not None and role.tp_partition_dim is not None)
+        sq[key] += p.grad.float().pow(2).sum()
+    expert = torch.stack([sq[True, False], sq[True, True]])
+    if groups is not None and groups.ep_size > 1:
+        dist.all_reduce(expert, group=groups.ep)
+    tp_sharded = sq[False, True] + expert[1]
     if groups is not None and groups.tp_size > 1:
-        dist.all_reduce(sharded, group=groups.tp)
-    return (sharded + replicated).sqrt()
+        dist.all_reduce(tp_sharded, group=groups.tp)
+    return (tp_sharded + expert[0] + sq[False, False]).sqrt()
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:

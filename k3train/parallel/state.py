@@ -20,7 +20,13 @@ from k3train.config.schema import ParallelConfig
 
 @dataclass
 class ParallelGroups:
-    """Explicit process groups of one rank. ``tp``/``dp`` are None in a single process."""
+    """Explicit process groups of one rank. The groups are None in a single process.
+
+    ``dp`` spans every rank with the same tensor-parallel rank (its size is world / TP). Expert
+    parallelism splits it: ``ep`` holds the ranks that share out the experts (a token's copies go
+    to them by all-to-all), and ``expert_dp`` the ranks that hold the same experts
+    (``dp_size = ep_size · expert_dp_size``).
+    """
 
     tp: dist.ProcessGroup | None = None
     dp: dist.ProcessGroup | None = None
@@ -30,6 +36,12 @@ class ParallelGroups:
     dp_rank: int = 0
     world_size: int = 1
     rank: int = 0
+    ep: dist.ProcessGroup | None = None
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_dp: dist.ProcessGroup | None = None
+    expert_dp_size: int = 1
+    expert_dp_rank: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -85,6 +97,12 @@ def init_parallel(cfg: ParallelConfig, device: torch.device) -> ParallelGroups:
         dp_rank=ps.get_data_parallel_rank(),
         world_size=dist.get_world_size(),
         rank=dist.get_rank(),
+        ep=ps.get_expert_model_parallel_group(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        expert_dp=ps.get_expert_data_parallel_group(),
+        expert_dp_size=ps.get_expert_data_parallel_world_size(),
+        expert_dp_rank=ps.get_expert_data_parallel_rank(),
     )
 
 

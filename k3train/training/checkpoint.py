@@ -39,22 +39,32 @@ class CheckpointError(RuntimeError):
 
 
 def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups):
-    """A ShardedTensor with the global shape, so checkpoints reshard across TP sizes.
+    """A ShardedTensor with the global shape, so checkpoints reshard across TP and EP sizes.
 
     A dim that interleaves ``stride`` matrices (the experts' [gate; up] rows) is viewed as
-    [.., stride, n, ..] at every TP size, so each part is sharded on its own.
+    [.., stride, n, ..] at every TP size, so each part is sharded on its own. Expert stacks are
+    also sharded along their expert dim over EP; their replicas are the expert-DP ranks.
     """
     from megatron.core.dist_checkpointing import ShardedTensor
 
     dim = role.tp_partition_dim if role is not None else None
+    ep_dim = role.ep_partition_dim if role is not None else None
     if dim is not None and role.tp_partition_stride > 1:
         shape = list(t.shape)
         stride = role.tp_partition_stride
         t = t.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:])
+        if ep_dim is not None and ep_dim > dim:
+            ep_dim += 1
         dim += 1
-    if dim is None or groups.tp_size == 1:
-        return ShardedTensor.from_rank_offsets(key, t, replica_id=(groups.tp_rank, groups.dp_rank))
-    return ShardedTensor.from_rank_offsets(key, t, (dim, groups.tp_rank, groups.tp_size), replica_id=groups.dp_rank)
+    offsets = []
+    if ep_dim is not None and groups.ep_size > 1:
+        offsets.append((ep_dim, groups.ep_rank, groups.ep_size))
+    tp_sharded = dim is not None and groups.tp_size > 1
+    if tp_sharded:
+        offsets.append((dim, groups.tp_rank, groups.tp_size))
+    replica = groups.expert_dp_rank if ep_dim is not None else groups.dp_rank
+    replica_id = replica if tp_sharded else (groups.tp_rank, replica)
+    return ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=replica_id)
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

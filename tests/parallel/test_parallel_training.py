@@ -14,22 +14,13 @@ the first resumed step's loss equals the TP=2 run's loss at that step to 1e-5.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 
 import pytest
 
-from test_training_helpers import FAST, REPO, losses, train
+from test_training_helpers import losses, torchrun, train
 
 STEPS = ["train.steps=6", "train.save_every=3", "train.log_every=1"]
-
-
-def torchrun(out_dir, *overrides: str) -> None:
-    env = dict(os.environ, NPROC="2", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), *FAST, f"train.out_dir={out_dir}",
-                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def assert_close_losses(got: dict, ref: dict, steps, rel: float) -> None:

@@ -1,0 +1,171 @@
+"""Expert parallelism (``parallel.expert``) against one rank, over gloo on CPU.
+
+Whole runs (k3_tiny, fp32, 6 steps): EP=2 on 2 processes, DP2×EP2 and TP2×EP2 on 4, each against
+one process with the same seed, data and global batch. EP moves token copies between ranks and
+sums each expert's gradient over the ranks that sent it tokens, so only fp32 summation order
+differs. Measured: EP=2 and DP2×EP2 losses within 1e-6 over 6 steps, EP=2 grad norms within 4e-6,
+DP2×EP2 within 5e-4 by step 6; TP2×EP2 follows TP2 (1e-5 for 2 steps, ~1e-4 by step 6: AdamW and
+top-k routing amplify the TP all-reduce order, see test_parallel_training.py).
+
+The dispatcher on its own (2 ranks): a router that sends every token of both ranks to experts
+held by rank 0, so rank 1 receives nothing, against the local dispatcher with all experts on one
+rank: outputs and every gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from multiprocess import run_ranks
+from test_training_helpers import checkpoint_tensors, torchrun, train
+
+STEPS = ["train.steps=6", "train.save_every=3", "train.log_every=1"]
+
+
+def metrics(out_dir) -> dict[int, tuple[float, float]]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"}
+
+
+def assert_close(got: dict, ref: dict, steps, loss_rel: float, gnorm_rel: float) -> None:
+    assert set(steps) <= set(got), (sorted(got), list(steps))
+    for step in steps:
+        for (a, b), rel, what in zip(zip(got[step], ref[step]), (loss_rel, gnorm_rel), ("loss", "grad_norm")):
+            assert abs(a - b) <= rel * abs(b), (what, step, a, b, rel)
+
+
+def assert_same_parameters(run, ref, tmp_path, rel: float) -> None:
+    """Every model tensor of the step-6 checkpoints (stored at global shapes): ‖a − b‖ ≤ rel·‖b‖."""
+    got = checkpoint_tensors(run / "checkpoints" / "step_00000006", tmp_path)
+    want = checkpoint_tensors(ref / "checkpoints" / "step_00000006", tmp_path)
+    names = sorted(k for k in want if k.startswith("model."))
+    assert names and any(".experts.w13" in n for n in names)
+    for n in names:
+        assert got[n].shape == want[n].shape, n
+        err = float((got[n].double() - want[n].double()).norm())
+        assert err <= rel * float(want[n].double().norm()) + 1e-12, (n, err)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    train(out, *STEPS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep2")
+    torchrun(out, *STEPS, "parallel.expert=2")
+    return out
+
+
+def test_ep2_matches_one_rank(single, ep2, tmp_path):
+    assert_close(metrics(ep2), metrics(single), range(1, 7), 1e-5, 1e-5)
+    assert_same_parameters(ep2, single, tmp_path, 1e-5)
+
+
+def test_ep2_checkpoint_resumes_on_one_rank(ep2, tmp_path):
+    """Saved at EP=2 (each rank holds half of every expert stack), loaded by one process."""
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(ep2 / "checkpoints" / "step_00000003", ckpt / "step_00000003")
+    (ckpt / "latest").write_text("step_00000003")
+    train(tmp_path, *STEPS)
+    got = metrics(tmp_path)
+    assert sorted(got) == [4, 5, 6]
+    assert_close(got, metrics(ep2), (4, 5, 6), 1e-5, 1e-5)
+
+
+def test_ep2_with_muon_matches_one_rank(tmp_path):
+    """Per-expert Newton–Schulz runs on each rank's own experts (shared out over expert-DP)."""
+    train(tmp_path / "one", *STEPS, "optim=muon")
+    torchrun(tmp_path / "ep2", *STEPS, "optim=muon", "parallel.expert=2")
+    assert_close(metrics(tmp_path / "ep2"), metrics(tmp_path / "one"), range(1, 7), 1e-5, 1e-5)
+
+
+def test_dp2_ep2_matches_one_rank(tmp_path):
+    """4 ranks: two EP pairs, each expert stack held by two expert-DP replicas."""
+    batch = "train.global_batch_size=8"
+    train(tmp_path / "one", *STEPS, batch)
+    torchrun(tmp_path / "dp2ep2", *STEPS, batch, "parallel.expert=2", nproc=4)
+    got, ref = metrics(tmp_path / "dp2ep2"), metrics(tmp_path / "one")
+    assert_close(got, ref, range(1, 7), 1e-5, 1e-3)
+    assert_close(got, ref, (1, 2), 1e-5, 1e-5)
+
+
+def test_tp2_ep2_matches_one_rank(single, tmp_path):
+    """4 ranks: experts split over EP and along their width over TP."""
+    torchrun(tmp_path, *STEPS, "parallel=tp2", "parallel.expert=2", nproc=4)
+    got, ref = metrics(tmp_path), metrics(single)
+    assert_close(got, ref, (1, 2), 1e-5, 1e-4)
+    assert_close(got, ref, range(1, 7), 1e-3, 1e-1)
+
+
+def _forced_routing(rank: int, world: int) -> None:
+    from k3train.config.schema import ModelConfig, ParallelConfig
+    from k3train.model.moe import RoutedExperts
+    from k3train.parallel.state import init_parallel
+    from k3train.parallel.tensor_parallel import TPSpec
+    from k3train.parallel.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+
+    groups = init_parallel(ParallelConfig(expert=world), torch.device("cpu"))
+    assert (groups.ep_size, groups.ep_rank, groups.expert_dp_size) == (world, rank, 1)
+    cfg = ModelConfig(num_experts=8, num_experts_per_token=2, latent_size=16, moe_intermediate_size=8)
+    torch.manual_seed(0)
+    mine = RoutedExperts(cfg, TPSpec(groups, 0.5))
+    torch.manual_seed(0)
+    full = RoutedExperts(cfg, TPSpec(None, 0.5))
+    E_l = cfg.num_experts // world
+    assert mine.w13.shape[0] == E_l and torch.equal(mine.w13, full.w13[rank * E_l:(rank + 1) * E_l])
+
+    g = torch.Generator().manual_seed(10 + rank)
+    N, k = 12, 2
+    z = torch.randn(N, 16, generator=g, dtype=torch.float64).float().requires_grad_()
+    weights = torch.rand(N, k, generator=g).requires_grad_()
+    du = torch.randn(N, 16, generator=g)
+    # every token of every rank goes to experts {0, 1} or {1, 0}: all on rank 0, none on rank 1
+    experts = torch.stack([torch.randint(0, 2, (N,), generator=g)] * 2, 1)
+    experts[:, 1] = 1 - experts[:, 0]
+
+    ep = AllToAllTokenDispatcher(cfg.num_experts, groups.ep)
+    rows, tokens_per_expert, handle = ep.dispatch(z, experts)
+    assert rows.shape[0] == (world * N * k if rank == 0 else 0)
+    assert handle.tokens_per_expert.tolist() == [N, N] + [0] * 6
+    u = ep.combine(mine(rows, tokens_per_expert), weights, handle)
+    u.backward(du)
+
+    z_ref, w_ref = z.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    local = LocalTokenDispatcher(cfg.num_experts)
+    rows_ref, tpe_ref, h_ref = local.dispatch(z_ref, experts)
+    u_ref = local.combine(full(rows_ref, tpe_ref), w_ref, h_ref)
+    u_ref.backward(du)
+    torch.testing.assert_close(u, u_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z.grad, z_ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weights.grad, w_ref.grad, rtol=1e-6, atol=1e-6)
+    # an expert's gradient is the sum over the ranks that sent it tokens
+    for name in ("w13", "w2"):
+        total = getattr(full, name).grad.clone()
+        torch.distributed.all_reduce(total, group=groups.ep)
+        torch.testing.assert_close(getattr(mine, name).grad, total[rank * E_l:(rank + 1) * E_l],
+                                   rtol=1e-5, atol=1e-6)
+    assert rank == 0 or float(mine.w13.grad.abs().sum()) == 0.0
+
+
+def test_all_to_all_dispatcher_with_one_hot_rank_and_an_empty_rank():
+    run_ranks(2, _forced_routing)
+
+
+def test_validator_names_an_expert_size_that_does_not_divide():
+    from k3train.config.load import load_config
+    from k3train.config.validate import ConfigError, validate
+
+    cfg = load_config(["model=k3_tiny", "parallel.expert=4", "train.global_batch_size=16"])
+    validate(cfg, world_size=4)
+    with pytest.raises(ConfigError, match=r"parallel\.expert=4 must divide the 2 data-parallel ranks"):
+        validate(load_config(["model=k3_tiny", "parallel=tp2", "parallel.expert=4"]), world_size=4)
+    with pytest.raises(ConfigError, match=r"model\.num_experts=8 is not divisible by parallel\.expert=3"):
+        validate(load_config(["model=k3_tiny", "parallel.expert=3"]), world_size=3)
