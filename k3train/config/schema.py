@@ -88,6 +88,9 @@ class ParallelConfig:
     context: int = 1
     expert: int = 1
     expert_tensor: int = 1
+    # MoE token dispatcher when expert > 1: "alltoall" (every token copy computed on its expert's
+    # home rank) or "balanced" (replicas of hot experts: every rank computes the same load).
+    ep_dispatcher: str = "alltoall"
     # "auto": nccl when CUDA is available, else gloo.
     backend: str = "auto"
 

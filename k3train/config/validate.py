@@ -64,6 +64,8 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     for name in ("tensor", "pipeline", "context", "expert", "expert_tensor"):
         _need(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
     _need(p.backend in ("auto", "gloo", "nccl"), f"parallel.backend={p.backend!r}: use auto, gloo or nccl")
+    _need(p.ep_dispatcher in ("alltoall", "balanced"),
+          f"parallel.ep_dispatcher={p.ep_dispatcher!r}: use alltoall or balanced")
     validate_model(cfg.model, p.tensor, p.expert)
     for name in ("pipeline", "context"):
         _need(getattr(p, name) == 1, f"parallel.{name}={getattr(p, name)} is not supported by the training loop "

@@ -79,17 +79,22 @@ class RoutedExperts(nn.Module):
             w = self.weight_fake_quant(w)
         return x, w
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [M, ℓ] token copies sorted by expert, tokens_per_expert [E] → y [M, ℓ] (TP partial sums).
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor | None = None,
+                w2: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, ℓ] token copies sorted by group, tokens_per_expert [G] → y [M, ℓ] (TP partial sums).
 
-        y_m = W2_e · SiTU(W1_e x_m, W3_e x_m) for the expert e of row m; two grouped GEMMs.
+        y_m = W2_g · SiTU(W1_g x_m, W3_g x_m) for the group g of row m; two grouped GEMMs. The
+        groups are this rank's experts, or the stacks ``w13`` [G, 2·I_local, ℓ] / ``w2`` [G, ℓ,
+        I_local] the dispatcher gives (its experts plus fetched replicas).
         """
+        w13 = self.w13 if w13 is None else w13
+        w2 = self.w2 if w2 is None else w2
         if x.shape[0] == 0:  # no token reached this rank's experts: stay in the graph, since the
-            # backward all-to-all of the dispatcher must run on every rank
-            return x + 0.0 * (self.w13.sum() + self.w2.sum())
+            # dispatcher's backward all-to-alls must run on every rank
+            return x + 0.0 * (w13.sum() + w2.sum())
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        h = situ_glu_packed(grouped_linear(*self._operands(x, self.w13), offsets), self.beta, self.linear_beta)
-        return grouped_linear(*self._operands(h, self.w2), offsets)
+        h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets), self.beta, self.linear_beta)
+        return grouped_linear(*self._operands(h, w2), offsets)
 
     def forward_looped(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference: z [N, ℓ], experts/weights [N, k] → u [N, ℓ], one GEMM per expert in a Python
@@ -135,7 +140,7 @@ class LatentMoE(nn.Module):
         self.routed_expert_down_proj = tp.replicated(d, ell)
         groups = tp.groups
         self.dispatcher = token_dispatcher(cfg.num_experts, groups.ep if groups else None,
-                                           groups.ep_size if groups else 1)
+                                           groups.ep_size if groups else 1, tp.ep_dispatcher)
         self.experts = RoutedExperts(cfg, tp)
         self.routed_expert_norm = RMSNorm(ell, cfg.rms_norm_eps)
         self.routed_expert_up_proj = tp.replicated(ell, d)
@@ -158,7 +163,7 @@ class LatentMoE(nn.Module):
         if self.training:
             self.load.add(handle.tokens_per_expert)
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
-        y = self.experts(grouped, tokens_per_expert)
+        y = self.experts(grouped, tokens_per_expert, *self.dispatcher.expert_stacks(self.experts, handle))
         u = self.dispatcher.combine(y, self.tp.copy_to_tp(routing.weights), handle)
         u = self.tp.reduce_from_tp(u)
         y = self.shared_experts(x) + self.routed_expert_up_proj(self.routed_expert_norm(u))

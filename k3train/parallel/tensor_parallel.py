@@ -86,10 +86,13 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class TPSpec:
-    """Factory for the layers of one tensor-parallel rank."""
+    """Factory for the layers of one tensor-parallel rank. ``ep_dispatcher`` selects the MoE token
+    dispatcher under expert parallelism (``parallel.ep_dispatcher``: alltoall or balanced)."""
 
-    def __init__(self, groups: ParallelGroups | None, init_std: float, backend: str = "auto"):
+    def __init__(self, groups: ParallelGroups | None, init_std: float, backend: str = "auto",
+                 ep_dispatcher: str = "alltoall"):
         self.groups = groups
+        self.ep_dispatcher = ep_dispatcher
         self.init_std = init_std
         self.size = groups.tp_size if groups else 1
         self.rank = groups.tp_rank if groups else 0

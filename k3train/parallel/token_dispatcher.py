@@ -13,8 +13,11 @@ the device. Nothing here waits on the host: shapes depend on N and k only.
 ``LocalTokenDispatcher`` (expert parallel size 1) permutes by index through
 ``kernels.moe_permute``: fused Triton gathers/scatters on CUDA, the torch reference elsewhere.
 Both permutations have gather-only backwards (no atomics), so the layer is deterministic on GPU.
-``AllToAllTokenDispatcher`` (``parallel.expert`` > 1) adds the exchange of rows between the
-expert-parallel ranks around it; ``token_dispatcher`` picks one.
+``ExpertParallelDispatcher`` (``parallel.expert`` > 1) adds the exchange of rows between the
+expert-parallel ranks around it, plain (every copy at its expert's home) or balanced (replicas
+of hot experts, ``expert_balance``); ``token_dispatcher`` picks one. Every dispatcher also gives
+the expert weight stacks for its groups (``expert_stacks``): the balanced one appends fetched
+replicas.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_slots
 from kernels.moe_permute import combine_rows, dispatch_rows
 
 
@@ -57,6 +61,10 @@ class LocalTokenDispatcher:
         handle = DispatchHandle(order, inverse, k, tokens_per_expert)
         return dispatch_rows(z, order, inverse, k), tokens_per_expert, handle
 
+    def expert_stacks(self, experts, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) of the grouped rows: the experts' own stacks."""
+        return experts.w13, experts.w2
+
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """y [N·k, ℓ] grouped, weights [N, k] → u [N, ℓ], u_i = Σ_j weights_ij · y_(i,j)."""
         return combine_rows(y, weights, handle.order, handle.inverse)
@@ -82,15 +90,22 @@ class _AllToAll(torch.autograd.Function):
 
 
 @dataclass
-class AllToAllHandle:
-    """What ``AllToAllTokenDispatcher.combine`` needs: the local sort, the row counts sent to and
-    received from each rank, and the (source rank, expert) → (expert, source rank) reordering."""
+class ExpertParallelHandle:
+    """What ``ExpertParallelDispatcher.combine`` needs: the local sort, this rank's copies in
+    (destination rank, group) order, the row counts sent to / received from each rank, the
+    received rows' reordering to group-major, and the replica experts this rank computes."""
 
     local: DispatchHandle
+    to_send_order: torch.Tensor  # [N·k]: sent row m is expert-sorted row [m]
+    to_expert_order: torch.Tensor  # its inverse
     send_splits: list[int]
     recv_splits: list[int]
-    to_expert_major: torch.Tensor  # [M_recv] int64: expert-major row m comes from received row [m]
+    to_group_major: torch.Tensor  # [M_recv]: group-major row m is received row [m]
     to_rank_major: torch.Tensor  # its inverse
+    replicas: list[int]  # global ids of the replica experts computed here, in slot order
+    fetch_send: list[int]  # local expert ids whose weights this rank sends, in (rank, slot) order
+    fetch_send_splits: list[int]
+    fetch_recv_splits: list[int]
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
@@ -98,54 +113,132 @@ class AllToAllHandle:
         return self.local.tokens_per_expert
 
 
-class AllToAllTokenDispatcher:
-    """Experts sharded over the expert-parallel group: rank r holds experts [r·E_l, (r+1)·E_l).
+class ExpertParallelDispatcher:
+    """Experts sharded over the expert-parallel group: rank r is home to experts [r·E_l, (r+1)·E_l).
 
-    dispatch: sort the N·k token copies by expert (which groups them by destination rank), swap
-    the per-(rank, expert) counts, send the rows by all-to-all at the latent width ℓ, and reorder
-    the received rows from (source rank, expert) to (expert, source rank) for the grouped GEMMs.
-    combine: the same steps backwards, then the local weighted sum. Gradients flow back through
-    both all-to-alls. The row counts are read on the host once per dispatch (the all-to-all needs
-    its split sizes); a rank that receives no rows still takes part in every collective.
+    dispatch:
+    1. sort the N·k token copies by expert and all-gather the per-rank counts C [R, E] (one
+       collective, read on the host);
+    2. plan where each expert's copies are computed (``expert_balance``): all at home
+       (``balanced=False``, plain all-to-all EP) or spread so that every rank computes exactly
+       N·k copies, with replicas of hot experts on under-loaded ranks (``balanced=True``);
+    3. send each copy to its rank by all-to-all at the latent width ℓ, ordered there by group:
+       the E_l home experts, then E_l replica slots (balanced only);
+    4. ``expert_stacks`` fetches the replicas' weights from their home ranks by all-to-all
+       (its backward sends their gradients home, where autograd adds them to the home stacks).
+    combine undoes 3 and 1 and takes the weighted sum. Routing, home placement and the sums
+    are those of one rank; only fp32 summation order differs. Every rank joins every
+    collective, with or without rows.
     """
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup):
-        self.group = group
-        self.size = dist.get_world_size(group)
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, balanced: bool = False):
+        self.group, self.balanced = group, balanced
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if num_experts % self.size:
             raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.expert={self.size}")
         self.num_experts, self.local_experts = num_experts, num_experts // self.size
+        self.groups_per_rank = self.local_experts * (2 if balanced else 1)
         self.sort = LocalTokenDispatcher(num_experts)
 
-    def dispatch(self, z: torch.Tensor, experts: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
-        """z [N, ℓ], experts [N, k] (global ids) → rows of this rank's experts [M_recv, ℓ] sorted by
-        local expert, tokens per local expert [E_l], handle."""
-        rows, tokens_per_expert, local = self.sort.dispatch(z, experts)
-        send_counts = tokens_per_expert.view(self.size, self.local_experts)  # [dest rank, its expert]
-        recv_counts = torch.empty_like(send_counts)  # [source rank, my expert]
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
-        send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
-        received = _AllToAll.apply(rows, send_splits, recv_splits, self.group)
-        block = torch.arange(recv_counts.numel(), device=z.device).repeat_interleave(
-            recv_counts.flatten(), output_size=received.shape[0])  # source·E_l + expert of each row
-        source, expert = block // self.local_experts, block % self.local_experts
-        to_expert_major = (expert * self.size + source).argsort(stable=True)
-        to_rank_major = torch.empty_like(to_expert_major)
-        to_rank_major[to_expert_major] = torch.arange(to_expert_major.numel(), device=z.device)
-        grouped = dispatch_rows(received, to_expert_major, to_rank_major, 1)
-        handle = AllToAllHandle(local, send_splits, recv_splits, to_expert_major, to_rank_major)
-        return grouped, recv_counts.sum(0), handle
+    def _plan(self, counts: torch.Tensor):
+        """counts [R, E] (host) → overlap [R (source), E, R (destination)] copies, and the
+        replica slot of each expert on each rank [E, R] (−1: none)."""
+        R, E_l = self.size, self.local_experts
+        T = counts.sum(0)
+        alloc = balanced_plan(T, R) if self.balanced else home_plan(T, R)
+        slots = replica_slots(alloc)
+        cum = alloc.cumsum(1)  # [E, R]: copies of e on ranks ≤ d
+        lo_d = cum - alloc
+        lo_s = counts.cumsum(0) - counts  # [R, E]: copies of e on source ranks < s
+        hi_s = lo_s + counts
+        overlap = (torch.minimum(hi_s[:, :, None], cum[None]) - torch.maximum(lo_s[:, :, None], lo_d[None])).clamp(min=0)
+        if int(slots.max()) >= E_l:
+            raise AssertionError(f"the plan needs {int(slots.max()) + 1} replica slots on a rank, above E/R = {E_l}")
+        return alloc, slots, overlap, lo_s
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        """y [M_recv, ℓ] (this rank's expert outputs, expert-major), weights [N, k] → u [N, ℓ]."""
-        back = dispatch_rows(y, handle.to_rank_major, handle.to_expert_major, 1)
-        rows = _AllToAll.apply(back, handle.recv_splits, handle.send_splits, self.group)
+    def _group_of(self, experts: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Group of expert ``experts`` on rank ``dest``: its local index at home, E_l + slot elsewhere."""
+        E_l = self.local_experts
+        home = experts // E_l
+        return torch.where(home == dest, experts - dest * E_l, E_l + slots[experts, dest])
+
+    def dispatch(self, z: torch.Tensor, experts: torch.Tensor):
+        """z [N, ℓ], experts [N, k] (global ids) → rows computed here [M, ℓ] sorted by group,
+        tokens per group [E_l] (home experts) or [2·E_l] (then the replica slots), handle."""
+        R, E, E_l, dev = self.size, self.num_experts, self.local_experts, z.device
+        rows, tokens_per_expert, local = self.sort.dispatch(z, experts)
+        gathered = [torch.empty_like(tokens_per_expert) for _ in range(R)]
+        dist.all_gather(gathered, tokens_per_expert, group=self.group)
+        counts = torch.stack(gathered).cpu()  # [R, E], the one host read of the layer
+        alloc, slots, overlap, lo_s = self._plan(counts)
+
+        # where each of my copies goes: copy i of expert e (source-rank order) → first d with cum > i
+        mine = counts[self.rank]
+        expert = torch.arange(E).repeat_interleave(mine)
+        index = lo_s[self.rank][expert] + torch.arange(expert.numel()) - (mine.cumsum(0) - mine)[expert]
+        dest = torch.searchsorted(alloc.cumsum(1)[expert], index[:, None], right=True).squeeze(1)
+        key = dest * self.groups_per_rank + self._group_of(expert, dest, slots)
+        to_send = key.argsort(stable=True).to(dev)
+        to_expert = torch.empty_like(to_send)
+        to_expert[to_send] = torch.arange(to_send.numel(), device=dev)
+        send_splits = overlap[self.rank].sum(0).tolist()
+
+        # what I receive: from source s, the copies of each of my groups, in group order
+        here = overlap[:, :, self.rank]  # [R (source), E]
+        recv_splits = here.sum(1).tolist()
+        computed_here = (alloc[:, self.rank] > 0).nonzero().squeeze(1)
+        group_here = self._group_of(computed_here, torch.full_like(computed_here, self.rank), slots)
+        per_group = torch.zeros(R, self.groups_per_rank, dtype=torch.int64)
+        per_group[:, group_here] = here[:, computed_here]
+        block = torch.arange(R * self.groups_per_rank).repeat_interleave(per_group.flatten())
+        to_group = ((block % self.groups_per_rank) * R + block // self.groups_per_rank).argsort(stable=True).to(dev)
+        to_rank = torch.empty_like(to_group)
+        to_rank[to_group] = torch.arange(to_group.numel(), device=dev)
+
+        sent = dispatch_rows(rows, to_send, to_expert, 1)
+        received = _AllToAll.apply(sent, send_splits, recv_splits, self.group)
+        grouped = dispatch_rows(received, to_group, to_rank, 1)
+
+        # replica weights: rank h sends the stacks of its experts that have slots on rank d
+        replicas = [int(e) for e in (slots[:, self.rank] >= 0).nonzero().squeeze(1)]  # slot order
+        home = torch.arange(E) // E_l
+        fetch_send, fetch_send_splits = [], []
+        for d in range(R):
+            needed = [e for e in range(self.rank * E_l, (self.rank + 1) * E_l) if slots[e, d] >= 0]
+            fetch_send += [e - self.rank * E_l for e in needed]
+            fetch_send_splits.append(len(needed))
+        fetch_recv_splits = [int((home[replicas] == h).sum()) if replicas else 0 for h in range(R)]
+        handle = ExpertParallelHandle(local, to_send, to_expert, send_splits, recv_splits, to_group, to_rank,
+                                      replicas, fetch_send, fetch_send_splits, fetch_recv_splits)
+        return grouped, per_group.sum(0).to(dev), handle
+
+    def expert_stacks(self, experts, handle: ExpertParallelHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) for the groups of ``dispatch``: the home stacks, then (balanced) the replica
+        slots, fetched from their home ranks (unused slots are zero; no row reads them)."""
+        if not self.balanced:
+            return experts.w13, experts.w2
+        out = []
+        for w in (experts.w13, experts.w2):
+            index = torch.tensor(handle.fetch_send, dtype=torch.long, device=w.device)
+            send = w.index_select(0, index).flatten(1)
+            got = _AllToAll.apply(send, handle.fetch_send_splits, handle.fetch_recv_splits, self.group)
+            pad = w.new_zeros(self.local_experts - got.shape[0], got.shape[1])
+            out.append(torch.cat([w, torch.cat([got, pad]).view(self.local_experts, *w.shape[1:])]))
+        return out[0], out[1]
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: ExpertParallelHandle) -> torch.Tensor:
+        """y [M, ℓ] (rows computed here, group-major), weights [N, k] → u [N, ℓ]."""
+        back = dispatch_rows(y, handle.to_rank_major, handle.to_group_major, 1)
+        sent = _AllToAll.apply(back, handle.recv_splits, handle.send_splits, self.group)
+        rows = dispatch_rows(sent, handle.to_expert_order, handle.to_send_order, 1)
         return self.sort.combine(rows, weights, handle.local)
 
 
-def token_dispatcher(num_experts: int, ep_group: dist.ProcessGroup | None, ep_size: int):
-    """The dispatcher for an expert-parallel size: local sorting at 1, all-to-all above."""
+def token_dispatcher(num_experts: int, ep_group: dist.ProcessGroup | None, ep_size: int, kind: str = "alltoall"):
+    """The dispatcher for an expert-parallel size: local sorting at 1; above, all-to-all with every
+    copy at home (``"alltoall"``) or balanced with replicas (``"balanced"``)."""
     if ep_size == 1:
         return LocalTokenDispatcher(num_experts)
-    return AllToAllTokenDispatcher(num_experts, ep_group)
+    if kind not in ("alltoall", "balanced"):
+        raise ValueError(f"parallel.ep_dispatcher={kind!r}: use alltoall or balanced")
+    return ExpertParallelDispatcher(num_experts, ep_group, balanced=kind == "balanced")

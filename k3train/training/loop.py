@@ -61,7 +61,8 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(t.seed)  # same on every rank: the full weights are drawn identically
 
-        self.model = K3Model(cfg.model, self.groups, cfg.precision.linear_backend).to(self.device)
+        self.model = K3Model(cfg.model, self.groups, cfg.precision.linear_backend,
+                             cfg.parallel.ep_dispatcher).to(self.device)
         if cfg.precision.expert_qat:
             from k3train.precision.mx_qat import enable_expert_qat
 

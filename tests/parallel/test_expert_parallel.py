@@ -1,15 +1,17 @@
 """Expert parallelism (``parallel.expert``) against one rank, over gloo on CPU.
 
-Whole runs (k3_tiny, fp32, 6 steps): EP=2 on 2 processes, DP2×EP2 and TP2×EP2 on 4, each against
+Whole runs (k3_tiny, fp32, 6 steps): EP=2 (plain and balanced) on 2 processes, DP2×EP2 (plain)
+and TP2×EP2 (balanced) on 4, each against
 one process with the same seed, data and global batch. EP moves token copies between ranks and
 sums each expert's gradient over the ranks that sent it tokens, so only fp32 summation order
 differs. Measured: EP=2 and DP2×EP2 losses within 1e-6 over 6 steps, EP=2 grad norms within 4e-6,
 DP2×EP2 within 5e-4 by step 6; TP2×EP2 follows TP2 (1e-5 for 2 steps, ~1e-4 by step 6: AdamW and
 top-k routing amplify the TP all-reduce order, see test_parallel_training.py).
 
-The dispatcher on its own (2 ranks): a router that sends every token of both ranks to experts
-held by rank 0, so rank 1 receives nothing, against the local dispatcher with all experts on one
-rank: outputs and every gradient.
+The dispatchers on their own (2 ranks): a router that sends every token of both ranks to experts
+held by rank 0 (plain all-to-all: rank 1 receives nothing; balanced: the balanced planner's worst
+case, rank 1 computes a replica) against the local dispatcher with all experts on one rank:
+outputs and every gradient.
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ def test_ep2_matches_one_rank(single, ep2, tmp_path):
     assert_same_parameters(ep2, single, tmp_path, 1e-5)
 
 
+def test_ep2_balanced_matches_one_rank(single, tmp_path):
+    """Replicas of hot experts on the under-loaded rank: same math, other summation order."""
+    torchrun(tmp_path, *STEPS, "parallel.expert=2", "parallel.ep_dispatcher=balanced")
+    assert_close(metrics(tmp_path), metrics(single), range(1, 7), 1e-5, 1e-5)
+    assert_same_parameters(tmp_path, single, tmp_path, 1e-5)
+
+
 def test_ep2_checkpoint_resumes_on_one_rank(ep2, tmp_path):
     """Saved at EP=2 (each rank holds half of every expert stack), loaded by one process."""
     ckpt = tmp_path / "checkpoints"
@@ -97,20 +106,20 @@ def test_dp2_ep2_matches_one_rank(tmp_path):
     assert_close(got, ref, (1, 2), 1e-5, 1e-5)
 
 
-def test_tp2_ep2_matches_one_rank(single, tmp_path):
-    """4 ranks: experts split over EP and along their width over TP."""
-    torchrun(tmp_path, *STEPS, "parallel=tp2", "parallel.expert=2", nproc=4)
+def test_tp2_ep2_balanced_matches_one_rank(single, tmp_path):
+    """4 ranks: experts split over EP and along their width over TP; replica slices fetched per TP rank."""
+    torchrun(tmp_path, *STEPS, "parallel=tp2", "parallel.expert=2", "parallel.ep_dispatcher=balanced", nproc=4)
     got, ref = metrics(tmp_path), metrics(single)
     assert_close(got, ref, (1, 2), 1e-5, 1e-4)
     assert_close(got, ref, range(1, 7), 1e-3, 1e-1)
 
 
-def _forced_routing(rank: int, world: int) -> None:
+def _forced_routing(rank: int, world: int, kind: str) -> None:
     from k3train.config.schema import ModelConfig, ParallelConfig
     from k3train.model.moe import RoutedExperts
     from k3train.parallel.state import init_parallel
     from k3train.parallel.tensor_parallel import TPSpec
-    from k3train.parallel.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+    from k3train.parallel.token_dispatcher import LocalTokenDispatcher, token_dispatcher
 
     groups = init_parallel(ParallelConfig(expert=world), torch.device("cpu"))
     assert (groups.ep_size, groups.ep_rank, groups.expert_dp_size) == (world, rank, 1)
@@ -131,11 +140,15 @@ def _forced_routing(rank: int, world: int) -> None:
     experts = torch.stack([torch.randint(0, 2, (N,), generator=g)] * 2, 1)
     experts[:, 1] = 1 - experts[:, 0]
 
-    ep = AllToAllTokenDispatcher(cfg.num_experts, groups.ep)
-    rows, tokens_per_expert, handle = ep.dispatch(z, experts)
-    assert rows.shape[0] == (world * N * k if rank == 0 else 0)
+    ep = token_dispatcher(cfg.num_experts, groups.ep, world, kind)
+    rows, tokens_per_group, handle = ep.dispatch(z, experts)
+    if kind == "balanced":  # every rank computes N·k copies; rank 1 holds a replica of expert 0
+        assert rows.shape[0] == N * k and tokens_per_group.shape[0] == 2 * E_l
+        assert handle.replicas == ([] if rank == 0 else [0])
+    else:
+        assert rows.shape[0] == (world * N * k if rank == 0 else 0)
     assert handle.tokens_per_expert.tolist() == [N, N] + [0] * 6
-    u = ep.combine(mine(rows, tokens_per_expert), weights, handle)
+    u = ep.combine(mine(rows, tokens_per_group, *ep.expert_stacks(mine, handle)), weights, handle)
     u.backward(du)
 
     z_ref, w_ref = z.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
@@ -155,8 +168,11 @@ def _forced_routing(rank: int, world: int) -> None:
     assert rank == 0 or float(mine.w13.grad.abs().sum()) == 0.0
 
 
-def test_all_to_all_dispatcher_with_one_hot_rank_and_an_empty_rank():
-    run_ranks(2, _forced_routing)
+@pytest.mark.parametrize("kind", ["alltoall", "balanced"])
+def test_dispatcher_with_one_hot_rank_and_an_empty_rank(kind):
+    """alltoall: rank 1 receives nothing; balanced: rank 1 computes expert 0 as a replica, and
+    the replica's gradient goes home to rank 0."""
+    run_ranks(2, _forced_routing, kind)
 
 
 def test_validator_names_an_expert_size_that_does_not_divide():
