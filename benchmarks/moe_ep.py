@@ -79,8 +79,8 @@ def run_case(experts_module, dispatcher, case, args, groups, device, dtype) -> d
             times.append(time.perf_counter() - start)
             rows.append(grouped.shape[0])
         z.grad = weights.grad = experts_module.w13.grad = experts_module.w2.grad = None
-    ms = torch.tensor([1e3 * statistics.median(times)], dtype=torch.float64)
-    mine = torch.tensor(rows, dtype=torch.float64)
+    ms = torch.tensor([1e3 * statistics.median(times)], dtype=torch.float64, device=device)
+    mine = torch.tensor(rows, dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(R)]
     dist.all_gather(gathered, mine, group=groups.ep)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=groups.ep)
