@@ -172,15 +172,18 @@ class ExpertParallelDispatcher:
         counts = torch.stack(gathered).cpu()  # [R, E], the one host read of the layer
         alloc, slots, overlap, lo_s = self._plan(counts)
 
-        # where each of my copies goes: copy i of expert e (source-rank order) → first d with cum > i
-        mine = counts[self.rank]
-        expert = torch.arange(E).repeat_interleave(mine)
-        index = lo_s[self.rank][expert] + torch.arange(expert.numel()) - (mine.cumsum(0) - mine)[expert]
-        dest = torch.searchsorted(alloc.cumsum(1)[expert], index[:, None], right=True).squeeze(1)
-        key = dest * self.groups_per_rank + self._group_of(expert, dest, slots)
-        to_send = key.argsort(stable=True).to(dev)
+        # where each of my copies goes: copy i of expert e (source-rank order) → first d with
+        # cum > i. Per-copy work runs on the device; only the [E, R] plan is made on the host.
+        mine, n_copies = counts[self.rank].to(dev), rows.shape[0]
+        expert = torch.arange(E, device=dev).repeat_interleave(mine, output_size=n_copies)
+        first_copy = lo_s[self.rank].to(dev) - (mine.cumsum(0) - mine)
+        index = first_copy[expert] + torch.arange(n_copies, device=dev)
+        alloc_d, slots_d = alloc.to(dev), slots.to(dev)
+        dest = torch.searchsorted(alloc_d.cumsum(1)[expert], index[:, None], right=True).squeeze(1)
+        key = dest * self.groups_per_rank + self._group_of(expert, dest, slots_d)
+        to_send = key.argsort(stable=True)
         to_expert = torch.empty_like(to_send)
-        to_expert[to_send] = torch.arange(to_send.numel(), device=dev)
+        to_expert[to_send] = torch.arange(n_copies, device=dev)
         send_splits = overlap[self.rank].sum(0).tolist()
 
         # what I receive: from source s, the copies of each of my groups, in group order
@@ -190,8 +193,10 @@ class ExpertParallelDispatcher:
         group_here = self._group_of(computed_here, torch.full_like(computed_here, self.rank), slots)
         per_group = torch.zeros(R, self.groups_per_rank, dtype=torch.int64)
         per_group[:, group_here] = here[:, computed_here]
-        block = torch.arange(R * self.groups_per_rank).repeat_interleave(per_group.flatten())
-        to_group = ((block % self.groups_per_rank) * R + block // self.groups_per_rank).argsort(stable=True).to(dev)
+        G = self.groups_per_rank
+        block = torch.arange(R * G, device=dev).repeat_interleave(per_group.flatten().to(dev),
+                                                                  output_size=sum(recv_splits))
+        to_group = ((block % G) * R + block // G).argsort(stable=True)
         to_rank = torch.empty_like(to_group)
         to_rank[to_group] = torch.arange(to_group.numel(), device=dev)
 
