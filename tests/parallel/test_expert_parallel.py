@@ -6,7 +6,8 @@ one process with the same seed, data and global batch. EP moves token copies bet
 sums each expert's gradient over the ranks that sent it tokens, so only fp32 summation order
 differs. Measured: EP=2 and DP2×EP2 losses within 1e-6 over 6 steps, EP=2 grad norms within 4e-6,
 DP2×EP2 within 5e-4 by step 6; TP2×EP2 follows TP2 (1e-5 for 2 steps, ~1e-4 by step 6: AdamW and
-top-k routing amplify the TP all-reduce order, see test_parallel_training.py).
+top-k routing amplify the TP all-reduce order, see test_parallel_training.py). Checkpoints
+reshard over EP: saved at EP=2, resumed at EP=1 and at EP=4.
 
 The dispatchers on their own (2 ranks): a router that sends every token of both ranks to experts
 held by rank 0 (plain all-to-all: rank 1 receives nothing; balanced: the balanced planner's worst
@@ -96,14 +97,33 @@ def test_ep2_with_muon_matches_one_rank(tmp_path):
     assert_close(metrics(tmp_path / "ep2"), metrics(tmp_path / "one"), range(1, 7), 1e-5, 1e-5)
 
 
-def test_dp2_ep2_matches_one_rank(tmp_path):
-    """4 ranks: two EP pairs, each expert stack held by two expert-DP replicas."""
-    batch = "train.global_batch_size=8"
-    train(tmp_path / "one", *STEPS, batch)
-    torchrun(tmp_path / "dp2ep2", *STEPS, batch, "parallel.expert=2", nproc=4)
-    got, ref = metrics(tmp_path / "dp2ep2"), metrics(tmp_path / "one")
+BATCH8 = "train.global_batch_size=8"
+
+
+@pytest.fixture(scope="module")
+def dp2_ep2(tmp_path_factory):
+    """4 ranks: two EP pairs, each expert stack held by two expert-DP replicas; and one rank."""
+    out = tmp_path_factory.mktemp("dp2ep2")
+    train(out / "one", *STEPS, BATCH8)
+    torchrun(out / "dp2ep2", *STEPS, BATCH8, "parallel.expert=2", nproc=4)
+    return out
+
+
+def test_dp2_ep2_matches_one_rank(dp2_ep2):
+    got, ref = metrics(dp2_ep2 / "dp2ep2"), metrics(dp2_ep2 / "one")
     assert_close(got, ref, range(1, 7), 1e-5, 1e-3)
     assert_close(got, ref, (1, 2), 1e-5, 1e-5)
+
+
+def test_ep2_checkpoint_resumes_at_ep4(dp2_ep2, tmp_path):
+    """Saved at EP=2 (×DP2), resumed with each rank holding a quarter of every expert stack."""
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(dp2_ep2 / "dp2ep2" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
+    (ckpt / "latest").write_text("step_00000003")
+    torchrun(tmp_path, *STEPS, BATCH8, "parallel.expert=4", nproc=4)
+    got = metrics(tmp_path)
+    assert sorted(got) == [4, 5, 6]
+    assert_close(got, metrics(dp2_ep2 / "dp2ep2"), (4, 5, 6), 1e-5, 1e-5)
 
 
 def test_tp2_ep2_balanced_matches_one_rank(single, tmp_path):
