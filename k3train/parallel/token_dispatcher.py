@@ -141,19 +141,20 @@ class ExpertParallelDispatcher:
         self.sort = LocalTokenDispatcher(num_experts)
 
     def _plan(self, counts: torch.Tensor):
-        """counts [R, E] (host) → overlap [R (source), E, R (destination)] copies, and the
-        replica slot of each expert on each rank [E, R] (−1: none)."""
+        """counts [R, E] (host) → alloc [E, R] (copies of e computed on d), slots [E, R] (replica
+        slot of e on d, −1: none), overlap [R (source), E, R (destination)] (copies of e that
+        source s sends to d) and lo_s [R, E] (copies of e on the source ranks before s)."""
         R, E_l = self.size, self.local_experts
         T = counts.sum(0)
         alloc = balanced_plan(T, R) if self.balanced else home_plan(T, R)
         slots = replica_slots(alloc)
-        cum = alloc.cumsum(1)  # [E, R]: copies of e on ranks ≤ d
-        lo_d = cum - alloc
-        lo_s = counts.cumsum(0) - counts  # [R, E]: copies of e on source ranks < s
-        hi_s = lo_s + counts
-        overlap = (torch.minimum(hi_s[:, :, None], cum[None]) - torch.maximum(lo_s[:, :, None], lo_d[None])).clamp(min=0)
         if int(slots.max()) >= E_l:
             raise AssertionError(f"the plan needs {int(slots.max()) + 1} replica slots on a rank, above E/R = {E_l}")
+        cum = alloc.cumsum(1)  # [E, R]: copies of e on ranks ≤ d
+        lo_d = cum - alloc
+        lo_s = counts.cumsum(0) - counts
+        hi_s = lo_s + counts
+        overlap = (torch.minimum(hi_s[:, :, None], cum[None]) - torch.maximum(lo_s[:, :, None], lo_d[None])).clamp(min=0)
         return alloc, slots, overlap, lo_s
 
     def _group_of(self, experts: torch.Tensor, dest: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -162,60 +163,70 @@ class ExpertParallelDispatcher:
         home = experts // E_l
         return torch.where(home == dest, experts - dest * E_l, E_l + slots[experts, dest])
 
+    @staticmethod
+    def _inverse(perm: torch.Tensor) -> torch.Tensor:
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+        return inv
+
+    def _send_order(self, counts, alloc, slots, lo_s, n_copies: int, dev) -> torch.Tensor:
+        """Order [N·k] of my expert-sorted copies by (destination rank, group there): copy i of
+        expert e (counted in source-rank order) goes to the first d with cumsum_d alloc[e, d] > i.
+        On the device; only the [E, R] plan is on the host."""
+        mine = counts[self.rank].to(dev)
+        expert = torch.arange(self.num_experts, device=dev).repeat_interleave(mine, output_size=n_copies)
+        first_copy = lo_s[self.rank].to(dev) - (mine.cumsum(0) - mine)
+        index = first_copy[expert] + torch.arange(n_copies, device=dev)
+        dest = torch.searchsorted(alloc.to(dev).cumsum(1)[expert], index[:, None], right=True).squeeze(1)
+        key = dest * self.groups_per_rank + self._group_of(expert, dest, slots.to(dev))
+        return key.argsort(stable=True)
+
+    def _receive_order(self, alloc, slots, overlap, dev) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Rows received from each source arrive in that source's group order; → the order [M]
+        that makes them group-major, the rows per group [G] and the rows per source [R]."""
+        R, G = self.size, self.groups_per_rank
+        here = overlap[:, :, self.rank]  # [R (source), E]
+        computed_here = (alloc[:, self.rank] > 0).nonzero().squeeze(1)
+        group_here = self._group_of(computed_here, torch.full_like(computed_here, self.rank), slots)
+        per_group = torch.zeros(R, G, dtype=torch.int64)
+        per_group[:, group_here] = here[:, computed_here]
+        recv_splits = here.sum(1).tolist()
+        block = torch.arange(R * G, device=dev).repeat_interleave(per_group.flatten().to(dev),
+                                                                  output_size=sum(recv_splits))
+        return ((block % G) * R + block // G).argsort(stable=True), per_group.sum(0).to(dev), recv_splits
+
+    def _fetch_plan(self, slots) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Replica experts computed here (slot order); the local experts whose weights I send, in
+        (destination, slot) order, with the counts sent to and received from each rank."""
+        R, E_l, lo = self.size, self.local_experts, self.rank * self.local_experts
+        replicas = [int(e) for e in (slots[:, self.rank] >= 0).nonzero().squeeze(1)]
+        send, send_splits = [], []
+        for d in range(R):
+            needed = [e - lo for e in range(lo, lo + E_l) if slots[e, d] >= 0]
+            send += needed
+            send_splits.append(len(needed))
+        recv_splits = [sum(1 for e in replicas if e // E_l == h) for h in range(R)]
+        return replicas, send, send_splits, recv_splits
+
     def dispatch(self, z: torch.Tensor, experts: torch.Tensor):
         """z [N, ℓ], experts [N, k] (global ids) → rows computed here [M, ℓ] sorted by group,
         tokens per group [E_l] (home experts) or [2·E_l] (then the replica slots), handle."""
-        R, E, E_l, dev = self.size, self.num_experts, self.local_experts, z.device
         rows, tokens_per_expert, local = self.sort.dispatch(z, experts)
-        gathered = [torch.empty_like(tokens_per_expert) for _ in range(R)]
+        gathered = [torch.empty_like(tokens_per_expert) for _ in range(self.size)]
         dist.all_gather(gathered, tokens_per_expert, group=self.group)
         counts = torch.stack(gathered).cpu()  # [R, E], the one host read of the layer
         alloc, slots, overlap, lo_s = self._plan(counts)
-
-        # where each of my copies goes: copy i of expert e (source-rank order) → first d with
-        # cum > i. Per-copy work runs on the device; only the [E, R] plan is made on the host.
-        mine, n_copies = counts[self.rank].to(dev), rows.shape[0]
-        expert = torch.arange(E, device=dev).repeat_interleave(mine, output_size=n_copies)
-        first_copy = lo_s[self.rank].to(dev) - (mine.cumsum(0) - mine)
-        index = first_copy[expert] + torch.arange(n_copies, device=dev)
-        alloc_d, slots_d = alloc.to(dev), slots.to(dev)
-        dest = torch.searchsorted(alloc_d.cumsum(1)[expert], index[:, None], right=True).squeeze(1)
-        key = dest * self.groups_per_rank + self._group_of(expert, dest, slots_d)
-        to_send = key.argsort(stable=True)
-        to_expert = torch.empty_like(to_send)
-        to_expert[to_send] = torch.arange(n_copies, device=dev)
+        to_send = self._send_order(counts, alloc, slots, lo_s, rows.shape[0], z.device)
+        to_group, tokens_per_group, recv_splits = self._receive_order(alloc, slots, overlap, z.device)
         send_splits = overlap[self.rank].sum(0).tolist()
-
-        # what I receive: from source s, the copies of each of my groups, in group order
-        here = overlap[:, :, self.rank]  # [R (source), E]
-        recv_splits = here.sum(1).tolist()
-        computed_here = (alloc[:, self.rank] > 0).nonzero().squeeze(1)
-        group_here = self._group_of(computed_here, torch.full_like(computed_here, self.rank), slots)
-        per_group = torch.zeros(R, self.groups_per_rank, dtype=torch.int64)
-        per_group[:, group_here] = here[:, computed_here]
-        G = self.groups_per_rank
-        block = torch.arange(R * G, device=dev).repeat_interleave(per_group.flatten().to(dev),
-                                                                  output_size=sum(recv_splits))
-        to_group = ((block % G) * R + block // G).argsort(stable=True)
-        to_rank = torch.empty_like(to_group)
-        to_rank[to_group] = torch.arange(to_group.numel(), device=dev)
+        to_expert, to_rank = self._inverse(to_send), self._inverse(to_group)
 
         sent = dispatch_rows(rows, to_send, to_expert, 1)
         received = _AllToAll.apply(sent, send_splits, recv_splits, self.group)
         grouped = dispatch_rows(received, to_group, to_rank, 1)
-
-        # replica weights: rank h sends the stacks of its experts that have slots on rank d
-        replicas = [int(e) for e in (slots[:, self.rank] >= 0).nonzero().squeeze(1)]  # slot order
-        home = torch.arange(E) // E_l
-        fetch_send, fetch_send_splits = [], []
-        for d in range(R):
-            needed = [e for e in range(self.rank * E_l, (self.rank + 1) * E_l) if slots[e, d] >= 0]
-            fetch_send += [e - self.rank * E_l for e in needed]
-            fetch_send_splits.append(len(needed))
-        fetch_recv_splits = [int((home[replicas] == h).sum()) if replicas else 0 for h in range(R)]
         handle = ExpertParallelHandle(local, to_send, to_expert, send_splits, recv_splits, to_group, to_rank,
-                                      replicas, fetch_send, fetch_send_splits, fetch_recv_splits)
-        return grouped, per_group.sum(0).to(dev), handle
+                                      *self._fetch_plan(slots))
+        return grouped, tokens_per_group, handle
 
     def expert_stacks(self, experts, handle: ExpertParallelHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) for the groups of ``dispatch``: the home stacks, then (balanced) the replica
