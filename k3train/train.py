@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from k3train.config.load import CONF_DIR, register_schema, to_dataclass
-from k3train.config.validate import ConfigError, validate
+from k3train.config.validate import ConfigError, validate, validate_keys
 
 register_schema()
 # Megatron-Core logs dataset-index details at INFO and warns that TE/apex are absent; keep the console
@@ -26,24 +26,37 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(raw: DictConfig) -> None:
-    cfg = to_dataclass(raw)
     try:
+        validate_keys(raw)
+        cfg = to_dataclass(raw)
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     except ConfigError as err:
         sys.exit(f"k3train: config error: {err}")
 
     from k3train.parallel.state import destroy_parallel
     from k3train.training.checkpoint import CheckpointError
+    from k3train.training.guards import TrainingStopped
+    from k3train.training.run_dir import RunDirError
     from k3train.training.loop import Trainer
 
     # Errors from the user's data or checkpoints print one line (K3TRAIN_TRACEBACK=1 shows the
     # traceback); anything else is a bug and keeps its traceback.
     try:
         Trainer(cfg).fit()
-    except (CheckpointError, FileNotFoundError, ValueError, FloatingPointError) as err:
+    except (CheckpointError, FileNotFoundError, ValueError, FloatingPointError, TrainingStopped, RunDirError) as err:
         if os.environ.get("K3TRAIN_TRACEBACK") == "1":
             raise
         sys.exit(f"k3train: error: {err}")
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
+        import multiprocessing
+
+        # The interrupted checkpoint writer's processes (they inherit our SIGTERM handler, and one stuck in a
+        # lock never runs it) would block the exit: kill them.
+        for child in multiprocessing.active_children():
+            child.kill()
+        print("k3train: aborted by a second Ctrl-C; a checkpoint being written is discarded, the previous ones "
+              "are intact", file=sys.stderr, flush=True)
+        sys.exit(130)
     finally:
         destroy_parallel()
 

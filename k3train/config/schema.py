@@ -152,8 +152,19 @@ class TrainConfig:
     out_dir: str = "runs/${model.name}"
     # "auto": resume from the latest checkpoint in out_dir if one exists; "none"; or a path.
     resume: str = "auto"
+    # Initialise the model weights only (fresh optimizer, step 0) from an HF Kimi K3 folder or one of
+    # our checkpoints; ignored when train.resume finds a checkpoint to resume. None: random init.
+    init_from: Optional[str] = None
     device: str = "auto"  # "auto", "cpu" or "cuda"
     deterministic: bool = True
+    # Guards (docs/operating.md). A step is skipped (no optimizer update) when its loss or gradients are
+    # not finite, or on a loss spike with loss_spike_action=skip. The run stops with an error after more
+    # than max_consecutive_skips skipped steps in a row; no checkpoint is written during such a streak.
+    max_consecutive_skips: int = 5
+    # A loss above factor x the median of the last loss_spike_window healthy steps is a spike; 0 = off.
+    loss_spike_factor: float = 0.0
+    loss_spike_window: int = 20
+    loss_spike_action: str = "skip"  # "skip" the step, or "stop" the run
 
 
 @dataclass

@@ -6,6 +6,10 @@ Runs once, before any process group exists. Every error names the field and the 
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import typing
+
 from k3train.config.schema import K3Config, ModelConfig
 
 
@@ -59,6 +63,29 @@ def validate_model(m: ModelConfig, tp: int = 1, ep: int = 1) -> None:
                                    f"choose an expert-parallel size that divides it")
 
 
+def validate_keys(raw) -> None:
+    """Refuse keys the schema lacks (a Hydra ``+train.save_evry=1`` typo), naming the closest field.
+
+    ``raw`` is the composed DictConfig (or a nested dict), checked before it becomes a ``K3Config``.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    tree = OmegaConf.to_container(raw, resolve=False) if isinstance(raw, DictConfig) else raw
+    _check_keys({k: v for k, v in tree.items() if k != "hydra"}, K3Config, "")
+
+
+def _check_keys(tree: dict, cls: type, prefix: str) -> None:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key, value in tree.items():
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"the fields are: {', '.join(names)}"
+            raise ConfigError(f"{prefix}{key} is not a config field; {hint} (fix or remove the override)")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            _check_keys(value, hints[key], f"{prefix}{key}.")
+
+
 def validate(cfg: K3Config, world_size: int = 1) -> None:
     p = cfg.parallel
     for name in ("tensor", "pipeline", "context", "expert", "expert_tensor"):
@@ -92,6 +119,7 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(o.muon_ns_backend in ("auto", "torch", "triton"),
           f"optim.muon_ns_backend={o.muon_ns_backend!r}: use auto, torch or triton")
     _need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0 (0 disables weight decay)")
 
     t = cfg.train
     dp = world_size // model_parallel
@@ -108,6 +136,17 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     _need(t.eval_every >= 0 and t.save_every >= 0 and t.log_every > 0,
           "train.eval_every and train.save_every must be >= 0 (0 disables) and train.log_every > 0")
+    _need(t.exit_after_steps >= 0,
+          f"train.exit_after_steps={t.exit_after_steps} must be >= 0 (0 = run to train.steps)")
+    _need(not t.eval_every or t.eval_iters > 0, f"train.eval_iters={t.eval_iters} must be positive when "
+                                                f"train.eval_every={t.eval_every}; set it >= 1 or train.eval_every=0")
+    _need(t.max_consecutive_skips >= 0, f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 0 "
+                                        f"(0 = stop at the first skipped step)")
+    _need(t.loss_spike_factor == 0 or t.loss_spike_factor > 1,
+          f"train.loss_spike_factor={t.loss_spike_factor} must be 0 (off) or above 1, e.g. 3")
+    _need(t.loss_spike_window >= 1, f"train.loss_spike_window={t.loss_spike_window} must be >= 1")
+    _need(t.loss_spike_action in ("skip", "stop"),
+          f"train.loss_spike_action={t.loss_spike_action!r}: use skip or stop")
 
     d = cfg.data
     _need(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
@@ -117,6 +156,9 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     parts = d.split.split(",")
     _need(len(parts) == 3 and all(x.strip().replace(".", "", 1).isdigit() for x in parts),
           f"data.split={d.split!r} must be three comma-separated weights, e.g. '98,2,0'")
+    _need(not t.eval_every or float(parts[1]) > 0,
+          f"data.split={d.split!r} gives validation no share but train.eval_every={t.eval_every}; give it a share "
+          f"(e.g. data.split=98,2,0) or set train.eval_every=0")
 
     pr = cfg.precision
     _need(pr.dtype in ("auto", "fp32", "bf16"), f"precision.dtype={pr.dtype!r}: use auto, fp32 or bf16")

@@ -26,13 +26,13 @@ Megatron-Core 0.16.1 notes (CPU):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from k3train.data.checks import check_dataset
 from k3train.data.default_corpus import ensure_default_dataset, resolve_cache_dir
 from k3train.data.tokenizer import K3Tokenizer, default_tokenizer_path
 
@@ -80,28 +80,6 @@ def check_dataset_files(paths: Sequence[str]) -> None:
                     f"dataset file missing: {prefix}{ext} (data.paths entry {prefix!r}); build it with: "
                     + PREP_HINT.format(prefix=prefix)
                 )
-
-
-def _check_meta(prefix: str, tokenizer: K3Tokenizer) -> None:
-    """Compare the dataset's metadata (if data_prep wrote one) with the tokenizer."""
-    path = f"{prefix}.meta.json"
-    if not os.path.isfile(path):
-        return
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return
-    if "eod" in meta and int(meta["eod"]) != tokenizer.eod:
-        raise ValueError(f"dataset {prefix} was tokenized with EOD id {meta['eod']}, but the tokenizer "
-                         f"{tokenizer.path} has EOD id {tokenizer.eod}; use the tokenizer the data was made with")
-    if int(meta.get("max_token_id", -1)) >= tokenizer.vocab_size:
-        raise ValueError(f"dataset {prefix} holds token id {meta['max_token_id']}, beyond the tokenizer "
-                         f"{tokenizer.path} ({tokenizer.vocab_size} ids); use the tokenizer the data was made with")
-    fp = meta.get("tokenizer_fingerprint")
-    if fp and fp != tokenizer.fingerprint:
-        warnings.warn(f"dataset {prefix} was tokenized with a different tokenizer.json than {tokenizer.path}",
-                      stacklevel=3)
 
 
 def parse_split(split) -> list[float]:
@@ -180,7 +158,7 @@ def build_datasets(cfg, seq_len: int, num_train_samples: int, num_valid_samples:
         raise ValueError(f"num_train_samples must be >= 1, got {num_train_samples}")
     check_dataset_files(paths)
     for p in paths:
-        _check_meta(p, tokenizer)
+        check_dataset(p, tokenizer)  # .idx/.bin/meta.json agree, and the tokenizer is the data's
 
     parse_split(cfg.split)
     cache_root = os.path.join(resolve_cache_dir(cfg.cache_dir), "index_cache")

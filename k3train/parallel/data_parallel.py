@@ -58,7 +58,7 @@ def average_gradients(params: list[nn.Parameter], groups: ParallelGroups, bucket
     for p in params:
         if p.grad is None and p.requires_grad:
             p.grad = torch.zeros_like(p)
-    grads = [(p.grad, _is_expert_parallel(p)) for p in params if p.grad is not None]
+    grads = [(p.grad, groups.ep_size > 1 and _is_expert_parallel(p)) for p in params if p.grad is not None]
     _reduce([g for g, ep in grads if not ep], groups.dp, groups.dp_size, bucket_bytes)
     expert = [g for g, ep in grads if ep]
     if expert and groups.expert_dp_size > 1:

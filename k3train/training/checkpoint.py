@@ -11,6 +11,7 @@ What is saved:
 Layout: ``<run>/checkpoints/step_00000010/``; ``<run>/checkpoints/latest`` names the newest.
 Writes are atomic: a temporary directory is filled, renamed, and only then is ``latest``
 replaced, so a crash at any point leaves the previous checkpoint intact.
+Each checkpoint holds ``checksums.json`` (``k3train.training.integrity``), checked before a resume.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from k3train.config.schema import ModelConfig
 from k3train.model.roles import get_role
 from k3train.parallel.checkpoint_io import save_strategy
 from k3train.parallel.state import ParallelGroups
+from k3train.training.threads import single_intra_op_thread
 
 LATEST = "latest"
 
@@ -62,7 +64,8 @@ def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups):
     tp_sharded = dim is not None and groups.tp_size > 1
     if tp_sharded:
         offsets.append((dim, groups.tp_rank, groups.tp_size))
-    replica = groups.expert_dp_rank if ep_dim is not None else groups.dp_rank
+    expert_parallel = ep_dim is not None and groups.ep_size > 1
+    replica = groups.expert_dp_rank if expert_parallel else groups.dp_rank
     replica_id = replica if tp_sharded else (groups.tp_rank, replica)
     return ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=replica_id)
 
@@ -126,8 +129,10 @@ def _state_dict(model, optimizer, groups, extra: dict, template: bool) -> dict:
     return sd
 
 
+@single_intra_op_thread()
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler, data_state: dict, groups: ParallelGroups, model_cfg: ModelConfig) -> Path:
+                    scheduler, data_state: dict, groups: ParallelGroups, model_cfg: ModelConfig,
+                    trainer_state: dict | None = None) -> Path:
     from megatron.core import dist_checkpointing
 
     ckpt_root = run_dir / "checkpoints"
@@ -145,6 +150,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         "model_config": dataclasses.asdict(model_cfg),
         "scheduler": scheduler.state_dict(),
         "data": data_state,
+        "trainer_state": trainer_state or {},  # the trainer's own state (the step guard's loss history)
         "optimizer_tensor_keys": sorted(opt_tensors),
         "optimizer_param_names": [names[id(p)] for p in params],
         "optimizer_other": {names[id(params[i])]: v for i, v in opt_other.items()},
@@ -154,6 +160,9 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
                             sharded_strategy=save_strategy())
     dist.barrier()
     if groups.is_main:
+        from k3train.training.integrity import write_checksums
+
+        write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -174,15 +183,40 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
-def check_model_config(saved: dict, model_cfg: ModelConfig, path: Path) -> None:
+def check_model_config(saved: dict, model_cfg: ModelConfig, path: Path, ignore: tuple[str, ...] = ("name",),
+                       fix: str = "resume with the same model config or use train.resume=none") -> None:
     current = dataclasses.asdict(model_cfg)
-    diffs = {k: (saved.get(k), v) for k, v in current.items() if k != "name" and saved.get(k) != v}
+    diffs = {k: (saved.get(k), v) for k, v in current.items() if k not in ignore and saved.get(k) != v}
     if diffs:
         detail = "; ".join(f"model.{k}: checkpoint={a} config={b}" for k, (a, b) in sorted(diffs.items()))
-        raise CheckpointError(f"checkpoint {path} was written for a different model config ({detail}); "
-                              f"resume with the same model config or use train.resume=none")
+        raise CheckpointError(f"checkpoint {path} was written for a different model config ({detail}); {fix}")
 
 
+# Model fields that do not change the weights: train.init_from may change them.
+NON_WEIGHT_FIELDS = ("name", "require_k3_layer_pattern", "qb_estimator", "qb_bins", "qb_ema", "qb_rescore_stride",
+                     "qb_updates_per_step", "init_std", "max_seq_len")
+
+
+@single_intra_op_thread()
+def load_model_weights(path: Path, model: nn.Module, groups: ParallelGroups, model_cfg: ModelConfig) -> None:
+    """train.init_from: copy the model tensors of a checkpoint (any parallel layout, full or weights-only)
+    into ``model``; optimizer, scheduler, step and data position stay fresh."""
+    from megatron.core import dist_checkpointing
+
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        raise CheckpointError(f"{path} is not a k3train checkpoint directory (no dist_checkpointing metadata); "
+                              f"train.init_from takes one of ours or an HF Kimi K3 folder")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    check_model_config(common["model_config"], model_cfg, path, NON_WEIGHT_FIELDS,
+                       "set the model config to the checkpoint's (for an HF folder: its config.json)")
+    template = _state_dict(model, None, groups, {}, template=True)
+    loaded = dist_checkpointing.load(template, str(path))
+    with torch.no_grad():
+        for n, t in _model_tensors(model).items():
+            t.copy_(loaded[f"model.{n}"].view_as(t))
+
+
+@single_intra_op_thread()
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                     groups: ParallelGroups, model_cfg: ModelConfig) -> dict:
     """Restore everything in place; returns {"step", "data"}."""
@@ -190,13 +224,21 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
     if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
         raise CheckpointError(f"{path} is not a k3train checkpoint directory (no dist_checkpointing metadata)")
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as err:  # an unreadable file: one line, not a library traceback
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}; "
+                              f"give train.resume another checkpoint") from err
     check_model_config(common["model_config"], model_cfg, path)
     lookup = {"optimizer_tensor_keys": [tuple(k) for k in common["optimizer_tensor_keys"]],
               "world_size": common["world_size"]}
     template = _state_dict(model, optimizer, groups, lookup, template=True)
     template = {k: v for k, v in template.items() if k not in lookup}
-    loaded = dist_checkpointing.load(template, str(path))
+    try:
+        loaded = dist_checkpointing.load(template, str(path))
+    except Exception as err:  # an unreadable shard: one line, not a library traceback
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+                              f"; give train.resume another checkpoint") from err
 
     tensors = _model_tensors(model)
     with torch.no_grad():
@@ -217,4 +259,4 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     scheduler.load_state_dict(common["scheduler"])
     if "rng" in loaded:  # per-rank RNG streams only carry over to the same number of ranks
         _set_rng_state(loaded["rng"])
-    return {"step": common["step"], "data": common["data"]}
+    return {"step": common["step"], "data": common["data"], "trainer": common.get("trainer_state", {})}

@@ -14,10 +14,11 @@ Runs the same on CPU (gloo, fp32) and GPU (NCCL, bf16 autocast).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
-import math
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -31,8 +32,11 @@ from k3train.model.moe import LatentMoE
 from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.parallel.data_parallel import average_gradients, clip_gradients, global_grad_norm
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
-from k3train.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from k3train.training.checkpoint import load_checkpoint, save_checkpoint
 from k3train.training.flops import peak_flops, train_flops_per_token
+from k3train.training.guards import StepGuard, TrainingStopped
+from k3train.training.integrity import resume_checkpoint
+from k3train.training.run_dir import RunDirError, RunDirLock, check_no_overwrite
 from k3train.training.metrics import MetricsLogger
 
 
@@ -57,6 +61,9 @@ class Trainer:
         t = cfg.train
         self.device = pick_device(t.device)
         self.groups: ParallelGroups = init_parallel(cfg.parallel, self.device)
+        self.run_dir = Path(t.out_dir)
+        self.lock = RunDirLock(self.run_dir)
+        self._claim_run_dir()
         if t.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(t.seed)  # same on every rank: the full weights are drawn identically
@@ -78,14 +85,27 @@ class Trainer:
 
         self.n_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
         self._build_data()
-        self.run_dir = Path(t.out_dir)
         self.step = 0
+        self.guard = StepGuard.from_config(t)
         self._maybe_resume()
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_flops(self.device)
         self.logger = MetricsLogger(cfg.logging, self.run_dir, self.groups.is_main, dataclasses.asdict(cfg), t.steps)
 
     # --- setup -----------------------------------------------------------------------------
+    def _claim_run_dir(self) -> None:
+        """Rank 0 locks train.out_dir and refuses to overwrite a run; every rank raises together."""
+        error = None
+        if self.groups.is_main:
+            try:
+                check_no_overwrite(self.run_dir, self.cfg.train.resume)
+                self.lock.acquire()
+                atexit.register(self.lock.release)
+            except RunDirError as err:
+                error = err
+        if self._any_rank(error is not None):
+            raise error or RunDirError("rank 0 could not claim train.out_dir (its error line says why)")
+
     def _build_data(self) -> None:
         from k3train.data.batches import BatchIterator
         from k3train.data.datasets import build_datasets, resolve_data
@@ -106,16 +126,41 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.train.resume
-        if resume == "none":
-            return
-        path = latest_checkpoint(self.run_dir) if resume == "auto" else Path(resume)
+        path = None
+        if resume != "none":
+            path = resume_checkpoint(self.run_dir, resume, self.groups, self.device)  # verified
         if path is None:
+            if self.cfg.train.init_from:
+                self._init_from(Path(self.cfg.train.init_from))
             return
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.groups, self.cfg.model)
         self.step = state["step"]
         self.train_iter.load_state_dict(state["data"])
+        self.guard.load_state_dict(state.get("trainer", {}).get("guard", {}))
         if self.groups.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def _init_from(self, path: Path) -> None:
+        """train.init_from: weights only (an HF folder is converted once into <out_dir>/init_from)."""
+        from k3train.training.checkpoint import load_model_weights
+
+        if (path / "config.json").is_file():
+            from k3train.convert.convert import import_hf
+
+            converted = self.run_dir / "init_from"
+            if self.groups.is_main and not converted.exists():
+                import_hf(path, converted, progress=False)
+            if self.groups.world_size > 1:
+                dist.barrier()
+            path = converted
+        else:
+            from k3train.convert.dist_checkpoint import resolve_checkpoint
+
+            path = resolve_checkpoint(path)  # a run directory means its latest checkpoint
+        load_model_weights(path, self.model, self.groups, self.cfg.model)
+        if self.groups.is_main:
+            print(f"initialised the model weights from {self.cfg.train.init_from} (step 0, fresh optimizer)",
+                  flush=True)
 
     # --- one step --------------------------------------------------------------------------
     def _forward(self, batch: dict) -> torch.Tensor:
@@ -140,7 +185,12 @@ class Trainer:
         average_gradients(self.params, self.groups)
         grad_norm = global_grad_norm(self.params, self.groups)
         clip_gradients(self.params, self.cfg.optim.grad_clip, grad_norm)
-        skipped = not bool(torch.isfinite(grad_norm))
+        if self.groups.dp_size > 1:  # the guard needs the step's loss, the same on every rank, before the update
+            dist.all_reduce(loss_sum, group=self.groups.dp)
+            loss_sum /= self.groups.dp_size
+        loss_value = float(loss_sum / self.n_micro)
+        skip_reason = self.guard.check(loss_value, float(grad_norm))
+        skipped = skip_reason is not None
         if not skipped:
             self.optimizer.step()
         self.scheduler.step()
@@ -150,20 +200,17 @@ class Trainer:
             from k3train.optim.qk_clip import apply_qk_clip
 
             apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp)
-        if self.groups.dp_size > 1:
-            dist.all_reduce(loss_sum, group=self.groups.dp)
-            loss_sum /= self.groups.dp_size
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         achieved = tokens * self.flops_per_token / elapsed / max(1, self.groups.world_size)
         return {
-            "kind": "train", "step": self.step + 1, "loss": float(loss_sum / self.n_micro),
+            "kind": "train", "step": self.step + 1, "loss": loss_value,
             "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
-            "skipped": skipped, **self._expert_load(moe),
+            "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe),
         }
 
     def _expert_load(self, moe: list) -> dict:
@@ -210,32 +257,57 @@ class Trainer:
     # --- the run -----------------------------------------------------------------------------
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
-                        self.train_iter.state_dict(), self.groups, self.cfg.model)
+                        self.train_iter.state_dict(), self.groups, self.cfg.model,
+                        trainer_state={"guard": self.guard.state_dict()})
+
+    def _save_if_healthy(self, final: bool) -> bool:
+        """Checkpoint unless the run is inside a streak of skipped steps (then ``latest`` stays put);
+        a run that ends inside such a streak raises ``TrainingStopped``."""
+        if self.guard.healthy:
+            self.save()
+            return True
+        if final:
+            raise TrainingStopped(self.guard.streak_message(self.step, f"and the run ended at step {self.step}"))
+        if self.groups.is_main:
+            print(f"k3train: warning: not saving step {self.step}: {self.guard.consecutive} skipped step(s) in a "
+                  f"row since step {self.guard.streak_start}", file=sys.stderr, flush=True)
+        return False
 
     def fit(self) -> None:
         t = self.cfg.train
         last = t.steps if not t.exit_after_steps else min(t.steps, self.step + t.exit_after_steps)
-        # SIGTERM (SLURM preemption, a killed job): finish the step, checkpoint, leave.
-        stop = {"now": False}
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+        # SIGTERM (SLURM preemption, a killed job) or Ctrl-C: finish the step, checkpoint, leave.
+        # A second Ctrl-C raises KeyboardInterrupt at once (an unfinished checkpoint is discarded).
+        stop = {"now": False, "name": ""}
+
+        def request_stop(signum, _frame):
+            stop.update(now=True, name=signal.Signals(signum).name)
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             while self.step < last:
                 record = self.train_step()
                 self.step += 1
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"loss is {record['loss']} at step {self.step}; the last checkpoint "
-                                             f"is intact, lower optim.lr or inspect the data")
-                if self.step % t.log_every == 0 or self.step == 1 or self.step == t.steps:
-                    self.logger.log(record)
+                try:  # raises TrainingStopped when the run cannot go on
+                    self.guard.update(self.step, record["skip_reason"], record["loss"])
+                finally:  # every skipped step is logged
+                    record["consecutive_skips"] = self.guard.consecutive
+                    if record["skipped"] or self.step % t.log_every == 0 or self.step in (1, t.steps):
+                        self.logger.log(record)
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     val = {"kind": "eval", "step": self.step, "val_loss": self.evaluate()}
                     self.logger.log(val)
                 stop_now = self._any_rank(stop["now"])
                 if (t.save_every and self.step % t.save_every == 0) or self.step == last or stop_now:
-                    self.save()
+                    saved = self._save_if_healthy(final=self.step == last and not stop_now)
                 if stop_now:
-                    print(f"SIGTERM: saved step {self.step} and stopped", flush=True)
+                    what = f"saved step {self.step}" if saved else "saved nothing (inside a streak of skipped steps)"
+                    print(f"{stop['name'] or 'stop requested on another rank'}: {what} and stopped", flush=True)
                     break
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
             self.logger.close()
+            self.lock.release()

@@ -84,5 +84,5 @@ def format_progress(r: dict, total_steps: int) -> str:
     if r.get("expert_load_max_over_mean") is not None:
         parts.append(f"load max/mean {r['expert_load_max_over_mean']:.2f} (layer {r['expert_load_worst_layer']})")
     if r.get("skipped"):
-        parts.append("SKIPPED (non-finite grads)")
+        parts.append(f"SKIPPED ({r.get('skip_reason') or 'non-finite gradients'})")
     return " | ".join(parts)

@@ -1,0 +1,54 @@
+"""train.init_from (weights only, step 0, fresh optimizer) from an HF folder, and generation."""
+
+from __future__ import annotations
+
+import torch
+
+from convert_helpers import random_tiny, save_model
+from k3train.convert.convert import export_hf, load_weights
+from k3train.convert.dist_checkpoint import DistCheckpoint
+from k3train.generate import generate, top_p_sample
+from test_training_helpers import train
+
+
+def test_init_from_hf_folder_loads_weights_at_step_zero(tmp_path):
+    model = random_tiny(21)
+    save_model(model, tmp_path / "ours")
+    export_hf(tmp_path / "ours", tmp_path / "hf", "bf16", progress=False)
+    # lr = 1e-30: the one step leaves the fp32 weights bit-identical (the QB router bias still moves)
+    proc = train(tmp_path / "run", "train.steps=1", "train.save_every=1", "optim.lr=1e-30", "logging.console=true",
+                 f"train.init_from={tmp_path / 'hf'}")
+    assert "initialised the model weights from" in proc.stdout
+    saved = DistCheckpoint(tmp_path / "run")
+    assert saved.path.name == "step_00000001" and saved.common["step"] == 1  # started at step 0
+    assert saved.common["scheduler"]["last_epoch"] == 1
+    sd = model.state_dict()
+    names = [n for n in sd if not n.endswith("e_score_correction_bias")]
+    got = saved.read_many([(n, tuple(sd[n].shape)) for n in names])
+    for n in names:
+        assert torch.equal(got[n], sd[n]), n
+    # an existing checkpoint in out_dir wins over init_from (train.resume keeps its meaning)
+    proc = train(tmp_path / "run", "train.steps=2", "train.save_every=0", "logging.console=true",
+                 f"train.init_from={tmp_path / 'hf'}")
+    assert "resumed from" in proc.stdout and "initialised" not in proc.stdout
+
+
+def test_generate_greedy_and_top_p(tmp_path):
+    model = random_tiny(22)
+    save_model(model, tmp_path / "ours")
+    cfg, state = load_weights(tmp_path / "ours")
+    assert all(torch.equal(state[n], t) for n, t in model.state_dict().items())
+    prompt = torch.randint(0, 512, (5,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = generate(model, prompt, 6, greedy=True)
+    assert ids[:5] == prompt and len(ids) == 11
+    with torch.no_grad():  # greedy = argmax of the model's next-token logits, step by step
+        for t in range(5, 11):
+            assert ids[t] == int(model(torch.tensor([ids[:t]]))[0, -1].argmax())
+    a = generate(model, prompt, 6, greedy=False, top_p=0.9, seed=1)
+    assert a == generate(model, prompt, 6, greedy=False, top_p=0.9, seed=1)
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    g = torch.Generator().manual_seed(0)
+    draws = {top_p_sample(logits, 0.5, 1.0, g) for _ in range(50)}
+    assert draws == {1}  # token 1 alone holds >= 50% of the mass
+    draws = {top_p_sample(logits, 0.99, 1.0, g) for _ in range(200)}
+    assert draws == {1, 2}
