@@ -27,19 +27,32 @@ Policy for text that is not valid UTF-8 (``--on-invalid-utf8``):
   * ``error`` (default): stop with the file, line and byte offset of the first bad byte;
   * ``skip``: drop that document and report the count in the summary.
 Empty (whitespace-only) documents and binary files (a NUL byte) are skipped and counted.
+
+Scale:
+  * ``--workers N`` encodes batches of documents in N worker processes (each loads the
+    tokenizer once) and writes them in input order: the output is byte-identical to
+    ``--workers 1``, which encodes in this process.
+  * A document longer than ``PIECE_CHARS`` characters is encoded in pieces cut only
+    where the byte-level pre-tokenizer splits anyway (see ``split_document``), so the
+    ids equal those of encoding it whole, and its ids are written as each piece is done.
+    Memory stays bounded by the piece and batch sizes, not by the largest document.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import gzip
 import json
+import multiprocessing
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from k3train.data.tokenizer import (
     EOD_TOKEN,
@@ -52,6 +65,13 @@ from k3train.data.tokenizer import (
 PROG = "tokenize_corpus"
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 ENCODE_BATCH_DOCS = 64
+# Characters encoded in one call. Encoding costs ~230 bytes of transient memory per input
+# byte (the ``tokenizers`` Encoding and pre-tokenizer alignments), so these two bound the
+# peak: a batch holds at most ENCODE_BATCH_CHARS characters (or one piece), and a longer
+# document is cut into pieces of PIECE_CHARS characters and a little more, up to the next
+# place where it can be cut (``split_document``; a stretch with none stays whole).
+PIECE_CHARS = 256 * 1024
+ENCODE_BATCH_CHARS = 1 << 20
 
 
 class CorpusError(ValueError):
@@ -216,6 +236,193 @@ def iter_documents(
                 stats.skipped_empty += 1
 
 
+# ----------------------------------------------------------------------------- encoding
+
+# Where ``split_document`` may cut: before a space or newline whose preceding character is
+# surely not whitespace. Python's ``\s`` and the tokenizer's regex engine disagree on a few
+# characters (U+001C-U+001F, U+0085, U+200B, ...), so every character either might count as
+# whitespace is excluded from "surely not whitespace".
+_CUT = re.compile(r"(?<=[^\s\x00-\x20\x7f-\xa0\u1680\u180e\u2000-\u200f\u2028-\u202f"
+                  r"\u205f-\u2064\u3000\ufeff])[ \n]")
+
+
+def can_split_documents(tokenizer_json: str, encode_special_tokens: bool = True) -> bool:
+    """Whether ``split_document``'s cuts leave this tokenizer's ids unchanged.
+
+    True for a byte-level BPE whose only pre-tokenizer is ``ByteLevel(use_regex=True,
+    add_prefix_space=False)`` (ours, GPT-2's) with no normalizer. Its regex is
+    ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``: a
+    match that holds a non-whitespace character never goes on into whitespace (the only
+    optional space is a leading one), and the one look-ahead, ``(?!\\S)``, belongs to a
+    whitespace run. So before a space or newline that follows a non-whitespace character
+    every match ends, whether or not the text goes on, and the matches after it start
+    there as in a fresh string: the pre-tokens, hence the ids, of the two sides are those
+    of the whole. (Cutting *after* a newline is not safe: ``"a  \\n"`` alone is one
+    whitespace pre-token, but ``"  "`` and ``"\\n"`` when a letter follows.) Added tokens
+    that could span a cut (holding a space or newline, or stripping whitespace) also rule
+    it out; special tokens do not, since K3Tokenizer encodes them as plain text.
+    """
+    cfg = json.loads(tokenizer_json)
+    pre = cfg.get("pre_tokenizer") or {}
+    if cfg.get("normalizer") is not None or pre.get("type") != "ByteLevel":
+        return False
+    if not pre.get("use_regex", True) or pre.get("add_prefix_space", True):
+        return False
+    for t in cfg.get("added_tokens") or []:
+        if t.get("special") and encode_special_tokens:
+            continue
+        content = t.get("content", "")
+        if " " in content or "\n" in content or t.get("lstrip") or t.get("rstrip"):
+            return False
+    return True
+
+
+def split_document(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """Cut ``text`` into pieces of about ``piece_chars`` characters, each cut right before
+    a space or newline that follows a non-whitespace character (``can_split_documents``
+    says why the ids do not change). A stretch with no such place stays whole."""
+    pieces, start = [], 0
+    while len(text) - start > piece_chars:
+        m = _CUT.search(text, start + piece_chars)
+        if m is None:
+            break
+        pieces.append(text[start:m.start()])
+        start = m.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def document_units(text: str, piece_chars: Optional[int]) -> list[tuple[str, bool]]:
+    """``(text, ends_document)`` for each piece of one document (``piece_chars`` None: whole)."""
+    if piece_chars is None or len(text) <= piece_chars:
+        return [(text, True)]
+    pieces = split_document(text, piece_chars)
+    return [(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+
+
+class UnitEncoder:
+    """Encodes units (documents or pieces of one) into ids of the output dtype.
+
+    Holds its own copy of the tokenizer with truncation and padding off: a user
+    tokenizer.json may carry them, and a dataset must hold every token of a document.
+    """
+
+    def __init__(self, tokenizer_json: str, eod_token: str, dtype: str):
+        import numpy
+        from tokenizers import Tokenizer
+
+        self.tok = K3Tokenizer(Tokenizer.from_str(tokenizer_json), eod_token=eod_token)
+        self.tok.backend.no_truncation()
+        self.tok.backend.no_padding()
+        self.dtype = numpy.dtype(dtype)
+        self._np = numpy
+
+    def encode(self, units: Sequence[tuple[str, bool]]):
+        """The ids of all units back to back, EOD after each document's last unit, and
+        the number of ids of each unit."""
+        np, eod = self._np, self.tok.eod
+        arrays = [np.array(ids + [eod] if last else ids, dtype=self.dtype)
+                  for ids, (_, last) in zip(self.tok.encode_batch([u for u, _ in units]), units)]
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=self.dtype)
+        return flat, [a.size for a in arrays]
+
+
+def iter_batches(docs: Iterable[str], piece_chars: Optional[int], max_units: int = ENCODE_BATCH_DOCS,
+                 max_chars: int = ENCODE_BATCH_CHARS) -> Iterator[list[tuple[str, bool]]]:
+    """Group the units of ``docs`` into batches of at most ``max_units`` units and
+    ``max_chars`` characters (a longer unit alone), in order."""
+    batch: list[tuple[str, bool]] = []
+    chars = 0
+    for text in docs:
+        for unit in document_units(text, piece_chars):
+            n = len(unit[0])
+            if batch and (len(batch) == max_units or chars + n > max_chars):
+                yield batch
+                batch, chars = [], 0
+            batch.append(unit)
+            chars += n
+    if batch:
+        yield batch
+
+
+_WORKER_ENCODER: Optional[UnitEncoder] = None
+
+
+def _worker_init(tokenizer_json: str, eod_token: str, dtype: str) -> None:
+    # N workers already use N cores; the tokenizer's own thread pool would oversubscribe them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = UnitEncoder(tokenizer_json, eod_token, dtype)
+
+
+def _worker_encode(units):
+    return _WORKER_ENCODER.encode(units)
+
+
+def write_tokens(docs: Iterable[str], out, tok: K3Tokenizer, dtype, *, workers: int = 1,
+                 piece_chars: Optional[int] = PIECE_CHARS, stats: Optional[Stats] = None,
+                 start_method: str = "spawn") -> list[int]:
+    """Encode ``docs`` and write their ids (``dtype``) to the binary file ``out`` as they
+    come, each document followed by EOD. Returns the number of ids of each document.
+
+    Documents over ``piece_chars`` characters are encoded in pieces (``split_document``)
+    when ``can_split_documents`` allows it for ``tok``, else whole. ``workers`` > 1
+    encodes batches in that many processes (``start_method``), at most two batches per
+    worker in flight, and writes them in input order: the bytes are those of
+    ``workers=1``, which encodes here, on the tokenizer's own thread pool.
+    """
+    import numpy
+
+    if workers < 1:
+        raise CorpusError(f"--workers must be at least 1, got {workers}")
+    stats = stats if stats is not None else Stats()
+    tokenizer_json = tok.backend.to_str()
+    if piece_chars is not None and not can_split_documents(
+            tokenizer_json, getattr(tok.backend, "encode_special_tokens", False)):
+        piece_chars = None
+    dtype = numpy.dtype(dtype).name
+    lengths: list[int] = []
+    doc_len = 0
+
+    def write(result, batch) -> None:
+        nonlocal doc_len
+        flat, sizes = result
+        if flat.size:
+            out.write(flat.tobytes(order="C"))
+            stats.tokens += int(flat.size)
+            stats.max_token_id = max(stats.max_token_id, int(flat.max()))
+        for n, (_, last) in zip(sizes, batch):
+            doc_len += n
+            if last:
+                lengths.append(doc_len)
+                doc_len = 0
+
+    if workers == 1:
+        encoder = UnitEncoder(tokenizer_json, tok.eod_token, dtype)
+        for batch in iter_batches(docs, piece_chars):
+            write(encoder.encode(batch), batch)
+        return lengths
+
+    # A process pool that fails loudly (BrokenProcessPool) when a worker dies or cannot
+    # start, where multiprocessing.Pool would start new ones forever.
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context(start_method), initializer=_worker_init,
+        initargs=(tokenizer_json, tok.eod_token, dtype))
+    try:
+        pending: collections.deque = collections.deque()
+        for batch in iter_batches(docs, piece_chars):
+            pending.append((pool.submit(_worker_encode, batch), batch))
+            if len(pending) >= 2 * workers:
+                future, done = pending.popleft()
+                write(future.result(), done)
+        while pending:
+            future, done = pending.popleft()
+            write(future.result(), done)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return lengths
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -250,14 +457,19 @@ def tokenize_corpus(
     train_max_bytes: Optional[int] = 200 * 2**20,
     overwrite: bool = False,
     progress: bool = True,
+    workers: int = 1,
+    piece_chars: Optional[int] = PIECE_CHARS,
 ) -> Summary:
     """Tokenize ``inputs`` into ``output_prefix``.{bin,idx,tokenizer.json,meta.json}.
 
     With ``tokenizer`` None, trains a byte-level BPE of ``vocab_size`` on the first
     ``train_max_bytes`` of the corpus. Raises ``CorpusError`` (a ValueError) with a
     one-line message on bad input; earlier output is never touched on failure.
+    ``workers`` and ``piece_chars``: see ``write_tokens``.
     """
     t0 = time.time()
+    if workers < 1:
+        raise CorpusError(f"--workers must be at least 1, got {workers}")
     output_prefix = os.path.expanduser(str(output_prefix))
     if not output_prefix or output_prefix.endswith(os.sep) or os.path.isdir(output_prefix):
         raise CorpusError(f"--output-prefix must name a file prefix, not a directory: {output_prefix!r}")
@@ -292,7 +504,6 @@ def tokenize_corpus(
 
     # 2. Encode into temporary files, then rename.
     import numpy
-    import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     tag = f".tmp-{os.getpid()}-{int(time.time() * 1e6) % 10**9}"
@@ -304,14 +515,11 @@ def tokenize_corpus(
         with _progress_bar(total_bytes, "tokenize", progress) as bar:
             docs = iter_documents(sources, text_key=text_key, fmt=fmt, on_invalid_utf8=on_invalid_utf8,
                                   max_bytes=max_bytes, stats=stats, progress=bar.update)
-            batch: list[str] = []
-            for text in docs:
-                batch.append(text)
-                if len(batch) == ENCODE_BATCH_DOCS:
-                    _add_batch(builder, tok, batch, stats, numpy, torch)
-                    batch = []
-            if batch:
-                _add_batch(builder, tok, batch, stats, numpy, torch)
+            lengths = write_tokens(docs, builder.data_file, tok, dtype, workers=workers,
+                                   piece_chars=piece_chars, stats=stats)
+        # One sequence per document, as add_item + end_document would record them.
+        builder.sequence_lengths.extend(lengths)
+        builder.document_indices.extend(range(1, len(lengths) + 1))
         builder.finalize(tmp["idx"])
         if stats.documents == 0:
             raise _no_documents(inputs, stats)
@@ -353,15 +561,6 @@ def _file_size(p: Path) -> int:
         return 0
 
 
-def _add_batch(builder, tok: K3Tokenizer, batch: list[str], stats: Stats, numpy, torch) -> None:
-    for ids in tok.encode_batch(batch):
-        arr = numpy.asarray(ids + [tok.eod], dtype=numpy.int64)
-        builder.add_item(torch.from_numpy(arr))
-        builder.end_document()
-        stats.tokens += arr.size
-        stats.max_token_id = max(stats.max_token_id, int(arr.max()))
-
-
 def _no_documents(inputs: Sequence[str], stats: Stats) -> CorpusError:
     return CorpusError(f"no documents in corpus {' '.join(map(str, inputs))} "
                        f"({stats.files} files read; {stats.skipped()})")
@@ -397,6 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after the document that reaches this many input bytes")
     p.add_argument("--train-max-bytes", type=int, default=200 * 2**20,
                    help="train the BPE on at most this many input bytes")
+    p.add_argument("--workers", type=int, default=1,
+                   help="encode in this many processes (output identical to 1, which encodes in this one)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -410,7 +611,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             eod_token=args.eod_token, text_key=args.text_key, globs=tuple(args.glob or ["**/*"]),
             fmt=args.fmt, on_invalid_utf8=args.on_invalid_utf8, max_bytes=args.max_bytes,
             train_max_bytes=args.train_max_bytes, overwrite=args.overwrite,
-            progress=not args.no_progress,
+            progress=not args.no_progress, workers=args.workers,
         )
     except (CorpusError, FileNotFoundError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -124,7 +124,6 @@ class DataConfig:
     seq_len: int = 128
     split: str = "98,2,0"
     seed: int = 1234
-    num_workers: int = 0
 
 
 @dataclass
