@@ -24,10 +24,22 @@ logging.getLogger("megatron").setLevel(logging.WARNING)
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
+def _one_run_dir_per_sweep_job(raw: DictConfig) -> None:
+    """Under ``-m`` every job gets its own run directory, ``<train.out_dir>/<its overrides>`` (e.g.
+    ``runs/k3_tiny/optim.lr=0.001``), so a job never resumes or overwrites another one's run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        raw.train.out_dir = hc.runtime.output_dir
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(raw: DictConfig) -> None:
     try:
         validate_keys(raw)
+        _one_run_dir_per_sweep_job(raw)
         cfg = to_dataclass(raw)
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     except ConfigError as err:

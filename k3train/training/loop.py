@@ -36,6 +36,7 @@ from k3train.training.checkpoint import load_checkpoint, save_checkpoint
 from k3train.training.flops import peak_flops, train_flops_per_token
 from k3train.training.guards import StepGuard, TrainingStopped
 from k3train.training.integrity import resume_checkpoint
+from k3train.training.resume_report import drop_metrics_after, report_config_changes
 from k3train.training.run_dir import RunDirError, RunDirLock, check_no_overwrite
 from k3train.training.metrics import MetricsLogger
 
@@ -139,6 +140,8 @@ class Trainer:
         self.guard.load_state_dict(state.get("trainer", {}).get("guard", {}))
         if self.groups.is_main:
             print(f"resumed from {path} at step {self.step}", flush=True)
+            report_config_changes(state.get("trainer", {}).get("config"), dataclasses.asdict(self.cfg))
+            drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
 
     def _init_from(self, path: Path) -> None:
         """train.init_from: weights only (an HF folder is converted once into <out_dir>/init_from)."""
@@ -258,7 +261,7 @@ class Trainer:
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                         self.train_iter.state_dict(), self.groups, self.cfg.model,
-                        trainer_state={"guard": self.guard.state_dict()})
+                        trainer_state={"guard": self.guard.state_dict(), "config": dataclasses.asdict(self.cfg)})
 
     def _save_if_healthy(self, final: bool) -> bool:
         """Checkpoint unless the run is inside a streak of skipped steps (then ``latest`` stays put);
