@@ -141,6 +141,8 @@ class TrainConfig:
     steps: int = 200  # total optimizer steps of the run (the LR schedule spans these)
     # Leave after this many steps in this process, with a checkpoint (SLURM time slices); 0 = never.
     exit_after_steps: int = 0
+    # Leave after this many minutes of training in this process, with a checkpoint; 0 = never.
+    exit_after_minutes: float = 0.0
     global_batch_size: int = 16
     micro_batch_size: int = 4
     seed: int = 1234
@@ -148,6 +150,7 @@ class TrainConfig:
     eval_iters: int = 4
     log_every: int = 1
     save_every: int = 100
+    keep_last: int = 0  # keep only the newest N checkpoints of the run (0 = all)
     out_dir: str = "runs/${model.name}"
     # "auto": resume from the latest checkpoint in out_dir if one exists; "none"; or a path.
     resume: str = "auto"

@@ -138,6 +138,9 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
           "train.eval_every and train.save_every must be >= 0 (0 disables) and train.log_every > 0")
     _need(t.exit_after_steps >= 0,
           f"train.exit_after_steps={t.exit_after_steps} must be >= 0 (0 = run to train.steps)")
+    _need(t.exit_after_minutes >= 0,
+          f"train.exit_after_minutes={t.exit_after_minutes} must be >= 0 (0 = no time limit)")
+    _need(t.keep_last >= 0, f"train.keep_last={t.keep_last} must be >= 0 (0 keeps every checkpoint)")
     _need(not t.eval_every or t.eval_iters > 0, f"train.eval_iters={t.eval_iters} must be positive when "
                                                 f"train.eval_every={t.eval_every}; set it >= 1 or train.eval_every=0")
     _need(t.max_consecutive_skips >= 0, f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 0 "

@@ -132,7 +132,7 @@ def _state_dict(model, optimizer, groups, extra: dict, template: bool) -> dict:
 @single_intra_op_thread()
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler, data_state: dict, groups: ParallelGroups, model_cfg: ModelConfig,
-                    trainer_state: dict | None = None) -> Path:
+                    trainer_state: dict | None = None, keep_last: int = 0) -> Path:
     from megatron.core import dist_checkpointing
 
     ckpt_root = run_dir / "checkpoints"
@@ -169,8 +169,17 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         pointer = ckpt_root / f".{LATEST}.tmp"
         pointer.write_text(final.name)
         os.replace(pointer, ckpt_root / LATEST)
+        if keep_last:
+            prune_checkpoints(ckpt_root, keep_last)
     dist.barrier()
     return final
+
+
+def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
+    """Delete all but the ``keep_last`` newest ``step_*`` checkpoints (``latest`` is the newest)."""
+    steps = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

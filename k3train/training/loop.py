@@ -261,7 +261,8 @@ class Trainer:
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                         self.train_iter.state_dict(), self.groups, self.cfg.model,
-                        trainer_state={"guard": self.guard.state_dict(), "config": dataclasses.asdict(self.cfg)})
+                        trainer_state={"guard": self.guard.state_dict(), "config": dataclasses.asdict(self.cfg)},
+                        keep_last=self.cfg.train.keep_last)
 
     def _save_if_healthy(self, final: bool) -> bool:
         """Checkpoint unless the run is inside a streak of skipped steps (then ``latest`` stays put);
@@ -289,6 +290,7 @@ class Trainer:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
 
         previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        deadline = time.monotonic() + 60 * t.exit_after_minutes if t.exit_after_minutes else None
         try:
             while self.step < last:
                 record = self.train_step()
@@ -302,6 +304,8 @@ class Trainer:
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     val = {"kind": "eval", "step": self.step, "val_loss": self.evaluate()}
                     self.logger.log(val)
+                if deadline is not None and time.monotonic() >= deadline and not stop["now"]:
+                    stop.update(now=True, name=f"train.exit_after_minutes={t.exit_after_minutes:g}")
                 stop_now = self._any_rank(stop["now"])
                 if (t.save_every and self.step % t.save_every == 0) or self.step == last or stop_now:
                     saved = self._save_if_healthy(final=self.step == last and not stop_now)
