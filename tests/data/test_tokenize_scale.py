@@ -3,6 +3,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -173,9 +174,10 @@ def test_workers_write_byte_identical_output(tmp_path, rng, code_tokenizer, caps
         write_tokens(texts, open(os.devnull, "wb"), tok, np.uint16, workers=0)
 
 
-# Measured on an 18 MiB document (2-core CI machine): ~0.3 GB peak RSS in pieces
-# (interpreter, tokenizer and the text included) where encoding it whole peaked at 3.4 GB.
-RSS_BOUND_MB = 700
+# Measured on an 18 MiB document (2-core CI machine): 0.3–0.7 GB peak RSS in pieces, depending on
+# the document and the tokenizers build (interpreter, tokenizer and the text included), where
+# encoding it whole peaked at 3.4 GB. The bound leaves room for the former and catches the latter.
+RSS_BOUND_MB = 1200
 
 _RSS_CHILD = textwrap.dedent("""
     import json, resource, sys
@@ -193,10 +195,10 @@ _RSS_CHILD = textwrap.dedent("""
 """)
 
 
-def test_huge_document_peak_memory_is_bounded(tmp_path, rng, code_tokenizer):
+def test_huge_document_peak_memory_is_bounded(tmp_path, code_tokenizer):
     tok_path = str(tmp_path / "tok.json")
     code_tokenizer.save(tok_path)
-    block = random_document(rng, 3000)
+    block = random_document(random.Random(0), 3000)  # one fixed document: the bound is a measurement
     doc = (block * (18 * 2**20 // len(block) + 1))[: 18 * 2**20]
     (tmp_path / "big.py").write_text(doc, encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
