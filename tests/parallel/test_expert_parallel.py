@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from multiprocess import run_ranks
+from parallel_runs import STEPS
 from test_training_helpers import checkpoint_tensors, torchrun, train
 
-STEPS = ["train.steps=6", "train.save_every=3", "train.log_every=1"]
 
 
 def metrics(out_dir) -> dict[int, tuple[float, float]]:
@@ -51,13 +51,6 @@ def assert_same_parameters(run, ref, tmp_path, rel: float) -> None:
         assert got[n].shape == want[n].shape, n
         err = float((got[n].double() - want[n].double()).norm())
         assert err <= rel * float(want[n].double().norm()) + 1e-12, (n, err)
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    train(out, *STEPS)
-    return out
 
 
 @pytest.fixture(scope="module")

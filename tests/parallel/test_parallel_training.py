@@ -18,21 +18,14 @@ import shutil
 
 import pytest
 
+from parallel_runs import STEPS
 from test_training_helpers import losses, torchrun, train
 
-STEPS = ["train.steps=6", "train.save_every=3", "train.log_every=1"]
 
 
 def assert_close_losses(got: dict, ref: dict, steps, rel: float) -> None:
     for step in steps:
         assert abs(got[step] - ref[step]) <= rel * abs(ref[step]), (step, got[step], ref[step], rel)
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    train(out, *STEPS)
-    return out
 
 
 @pytest.fixture(scope="module")
