@@ -223,6 +223,7 @@ class Trainer:
             return {}
         tokens = torch.stack([layer.load.tokens for layer in moe])  # [L, E]
         worst = torch.stack([layer.load.worst for layer in moe])  # [L]
+        ep = self._ep_compute_balance([layer.load.computed for layer in moe])
         for layer in moe:
             layer.load.reset()
         if self.groups.dp_size > 1:
@@ -234,7 +235,20 @@ class Trainer:
         return {"expert_load_max_over_mean": float(pooled.max()), "expert_load_worst_layer": worst_layer,
                 "expert_load_per_layer": [round(v, 4) for v in pooled.tolist()],
                 "expert_load_worst_micro_batch": [round(v, 4) for v in worst.tolist()],
-                "qb_bias_range": [round(v, 5) for v in (bias.max(1).values - bias.min(1).values).tolist()]}
+                "qb_bias_range": [round(v, 5) for v in (bias.max(1).values - bias.min(1).values).tolist()], **ep}
+
+    def _ep_compute_balance(self, computed: list[int]) -> dict:
+        """Under expert parallelism, per layer: the rows the EP ranks' expert GEMMs ran this step,
+        max/mean over the ranks (1.0 = every rank did the same work; the balanced dispatcher's aim)."""
+        if self.groups.ep_size == 1:
+            return {}
+        rows = torch.tensor(computed, dtype=torch.float64, device=self.device)
+        parts = [torch.empty_like(rows) for _ in range(self.groups.ep_size)]
+        dist.all_gather(parts, rows, group=self.groups.ep)
+        ranks = torch.stack(parts)  # [R, L]
+        per_layer = ranks.max(0).values / ranks.mean(0).clamp(min=1)
+        return {"ep_compute_max_over_mean": float(per_layer.max()),
+                "ep_compute_per_layer": [round(v, 4) for v in per_layer.tolist()]}
 
     @torch.no_grad()
     def evaluate(self) -> float:

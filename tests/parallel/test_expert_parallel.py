@@ -65,11 +65,19 @@ def test_ep2_matches_one_rank(single, ep2, tmp_path):
     assert_same_parameters(ep2, single, tmp_path, 1e-5)
 
 
-def test_ep2_balanced_matches_one_rank(single, tmp_path):
-    """Replicas of hot experts on the under-loaded rank: same math, other summation order."""
+def ep_compute(out_dir) -> list[float]:
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["ep_compute_max_over_mean"] for r in rows if r["kind"] == "train"]
+
+
+def test_ep2_balanced_matches_one_rank(single, ep2, tmp_path):
+    """Replicas of hot experts on the under-loaded rank: same math, other summation order; every
+    EP rank's expert GEMMs run the same number of rows in every layer (plain EP: not so)."""
     torchrun(tmp_path, *STEPS, "parallel.expert=2", "parallel.ep_dispatcher=balanced")
     assert_close(metrics(tmp_path), metrics(single), range(1, 7), 1e-5, 1e-5)
     assert_same_parameters(tmp_path, single, tmp_path, 1e-5)
+    assert ep_compute(tmp_path) == [1.0] * 6
+    assert len(ep_compute(ep2)) == 6 and max(ep_compute(ep2)) > 1.0
 
 
 def test_ep2_checkpoint_resumes_on_one_rank(ep2, tmp_path):
