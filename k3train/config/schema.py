@@ -173,8 +173,13 @@ class TrainConfig:
 class LoggingConfig:
     wandb: bool = True
     wandb_project: str = "k3train"
-    # "auto": online when WANDB_API_KEY is set, else offline.
+    # "auto": online when W&B credentials exist (WANDB_API_KEY, or `wandb login`'s ~/.netrc entry),
+    # else offline.
     wandb_mode: str = "auto"
+    wandb_entity: Optional[str] = None  # team or user; None: the account's default
+    wandb_group: Optional[str] = None  # e.g. a sweep's name, to compare its runs together
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_name: Optional[str] = None  # the run's display name; None: W&B picks one
     console: bool = True
 
 

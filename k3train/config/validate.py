@@ -109,6 +109,10 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
           f"parallel.tensor*pipeline*context={model_parallel}); launch {model_parallel * p.expert}·n processes or "
           f"lower parallel.expert")
 
+    lg = cfg.logging
+    _need(lg.wandb_mode in ("auto", "online", "offline", "disabled"),
+          f"logging.wandb_mode={lg.wandb_mode!r}: use auto, online, offline or disabled")
+
     o = cfg.optim
     _need(o.name in ("adamw", "muon"), f"optim.name={o.name!r}: use adamw or muon")
     _need(o.lr > 0, f"optim.lr={o.lr} must be positive")

@@ -1,7 +1,8 @@
 """Run outputs: ``metrics.jsonl``, a console progress line, and a W&B run.
 
-Only the main rank writes. W&B is imported only when enabled; it runs offline unless
-``WANDB_API_KEY`` is set (``logging.wandb_mode=auto``), so a fresh machine needs no account.
+Only the main rank writes. W&B is imported only when enabled; with ``logging.wandb_mode=auto`` it
+runs online when credentials exist (``WANDB_API_KEY``, or the ``~/.netrc`` entry ``wandb login``
+writes) and offline otherwise, so a fresh machine needs no account.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ class MetricsLogger:
         if cfg.wandb:
             mode = cfg.wandb_mode
             if mode == "auto":
-                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+                mode = "online" if wandb_credentials_exist() else "offline"
             import wandb
 
-            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode=mode, config=run_config,
-                                     resume="allow", id=_wandb_id(run_dir))
+            self._wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, group=cfg.wandb_group,
+                                     tags=list(cfg.wandb_tags) or None, name=cfg.wandb_name, dir=str(run_dir),
+                                     mode=mode, config=run_config, resume="allow", id=_wandb_id(run_dir))
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -50,6 +52,22 @@ class MetricsLogger:
             self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def wandb_credentials_exist() -> bool:
+    """WANDB_API_KEY is set, or the netrc file (``$NETRC`` or ``~/.netrc``) has the W&B host
+    (``WANDB_BASE_URL``'s, api.wandb.ai by default) that ``wandb login`` writes."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def _wandb_scalars(record: dict) -> dict:
