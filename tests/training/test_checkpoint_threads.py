@@ -29,15 +29,17 @@ def _probe(out: Path) -> dict:
 
 def test_steps_after_a_save_are_as_fast_as_before(tmp_path):
     timings = []
-    for attempt in range(2):  # wall time on a loaded 2-core CI machine is noisy: a second chance for it only
+    for attempt in range(3):  # wall time on a loaded 2-core CI machine is noisy: more chances for it only
         r = _probe(tmp_path / f"run{attempt}")
         assert r["threads_after"] == 2, "the save must restore the intra-op thread count"
         # The mechanism, counted rather than timed: no new OpenMP pool thread, no 10x more sleeps per step.
         assert r["tasks_after"] <= r["tasks_before"], f"threads {r['tasks_before']} -> {r['tasks_after']}"
         cs_before, cs_after = statistics.median(r["switches_before"]), statistics.median(r["switches_after"])
         assert cs_after <= 2 * cs_before + 50, f"voluntary context switches per step {cs_before} -> {cs_after}"
-        before, after = statistics.median(r["before"]), statistics.median(r["after"])
+        # the fastest step of each phase: another process's load only ever adds time, while the
+        # slowdown this guards against made every step after the save about 2x slower
+        before, after = min(r["before"]), min(r["after"])
         timings.append(f"{before * 1e3:.0f} -> {after * 1e3:.0f} ms")
         if after <= 1.25 * before:
             return
-    raise AssertionError(f"median step time before -> after the save: {timings}")
+    raise AssertionError(f"fastest step time before -> after the save: {timings}")
