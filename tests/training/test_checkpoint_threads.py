@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -27,19 +26,12 @@ def _probe(out: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_steps_after_a_save_are_as_fast_as_before(tmp_path):
-    timings = []
-    for attempt in range(3):  # wall time on a loaded 2-core CI machine is noisy: more chances for it only
-        r = _probe(tmp_path / f"run{attempt}")
-        assert r["threads_after"] == 2, "the save must restore the intra-op thread count"
-        # The mechanism, counted rather than timed: no new OpenMP pool thread, no 10x more sleeps per step.
-        assert r["tasks_after"] <= r["tasks_before"], f"threads {r['tasks_before']} -> {r['tasks_after']}"
-        cs_before, cs_after = statistics.median(r["switches_before"]), statistics.median(r["switches_after"])
-        assert cs_after <= 2 * cs_before + 50, f"voluntary context switches per step {cs_before} -> {cs_after}"
-        # the fastest step of each phase: another process's load only ever adds time, while the
-        # slowdown this guards against made every step after the save about 2x slower
-        before, after = min(r["before"]), min(r["after"])
-        timings.append(f"{before * 1e3:.0f} -> {after * 1e3:.0f} ms")
-        if after <= 1.25 * before:
-            return
-    raise AssertionError(f"fastest step time before -> after the save: {timings}")
+def test_a_save_starts_no_second_openmp_pool(tmp_path):
+    """The mechanism, counted: after a save the process has no new OS thread (the second OpenMP pool
+    was one) and its intra-op thread count is restored. Step times and context switches are
+    measurements, not assertions here: on a 2-core CI machine shared with another test worker they
+    swing by 2x either way (the probe's JSON holds them; docs/operating.md has the figures)."""
+    r = _probe(tmp_path / "run")
+    assert r["threads_after"] == 2, "the save must restore the intra-op thread count"
+    assert r["tasks_after"] <= r["tasks_before"], f"threads {r['tasks_before']} -> {r['tasks_after']}"
+    assert len(r["before"]) == len(r["after"]) == 8
