@@ -31,6 +31,13 @@ from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_sl
 from kernels.moe_permute import combine_rows, dispatch_rows
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv with inv[perm[m]] = m."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
 @dataclass
 class DispatchHandle:
     """What ``combine`` needs to undo ``dispatch``: ``order[m]`` is the token copy (i·k + j) at
@@ -54,8 +61,7 @@ class LocalTokenDispatcher:
         """z [N, ℓ], experts [N, k] → grouped rows [N·k, ℓ], tokens per expert [E], handle."""
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        inverse = inverse_permutation(order)
         tokens_per_expert = torch.bincount(flat, minlength=self.num_experts)
         k = experts.shape[1]
         handle = DispatchHandle(order, inverse, k, tokens_per_expert)
@@ -163,12 +169,6 @@ class ExpertParallelDispatcher:
         home = experts // E_l
         return torch.where(home == dest, experts - dest * E_l, E_l + slots[experts, dest])
 
-    @staticmethod
-    def _inverse(perm: torch.Tensor) -> torch.Tensor:
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel(), device=perm.device)
-        return inv
-
     def _send_order(self, counts, alloc, slots, lo_s, n_copies: int, dev) -> torch.Tensor:
         """Order [N·k] of my expert-sorted copies by (destination rank, group there): copy i of
         expert e (counted in source-rank order) goes to the first d with cumsum_d alloc[e, d] > i.
@@ -219,7 +219,7 @@ class ExpertParallelDispatcher:
         to_send = self._send_order(counts, alloc, slots, lo_s, rows.shape[0], z.device)
         to_group, tokens_per_group, recv_splits = self._receive_order(alloc, slots, overlap, z.device)
         send_splits = overlap[self.rank].sum(0).tolist()
-        to_expert, to_rank = self._inverse(to_send), self._inverse(to_group)
+        to_expert, to_rank = inverse_permutation(to_send), inverse_permutation(to_group)
 
         sent = dispatch_rows(rows, to_send, to_expert, 1)
         received = _AllToAll.apply(sent, send_splits, recv_splits, self.group)
