@@ -94,20 +94,19 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(p.ep_dispatcher in ("alltoall", "balanced"),
           f"parallel.ep_dispatcher={p.ep_dispatcher!r}: use alltoall or balanced")
     validate_model(cfg.model, p.tensor, p.expert)
-    for name in ("pipeline", "context"):
-        _need(getattr(p, name) == 1, f"parallel.{name}={getattr(p, name)} is not supported by the training loop "
-                                     f"yet; set parallel.{name}=1")
+    _need(p.pipeline == 1, f"parallel.pipeline={p.pipeline} is not supported by the training loop yet; "
+                           f"set parallel.pipeline=1")
     _need(p.expert_tensor == p.tensor, f"parallel.expert_tensor={p.expert_tensor} must equal parallel.tensor="
                                        f"{p.tensor} (routed experts are split like dense layers)")
     model_parallel = p.tensor * p.pipeline * p.context
     _need(world_size % model_parallel == 0,
           f"world size {world_size} is not divisible by parallel.tensor*pipeline*context={model_parallel}; "
           f"launch a multiple of {model_parallel} processes")
-    data_parallel = world_size // model_parallel
-    _need(data_parallel % p.expert == 0,
-          f"parallel.expert={p.expert} must divide the {data_parallel} data-parallel ranks (world size {world_size} / "
-          f"parallel.tensor*pipeline*context={model_parallel}); launch {model_parallel * p.expert}·n processes or "
-          f"lower parallel.expert")
+    data_context = world_size // (p.tensor * p.pipeline)
+    _need(data_context % p.expert == 0,
+          f"parallel.expert={p.expert} must divide the {data_context} data×context-parallel ranks (world size "
+          f"{world_size} / parallel.tensor*pipeline={p.tensor * p.pipeline}); launch "
+          f"{p.tensor * p.pipeline * p.expert}·n processes or lower parallel.expert")
 
     lg = cfg.logging
     _need(lg.wandb_mode in ("auto", "online", "offline", "disabled"),
@@ -157,6 +156,9 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
 
     d = cfg.data
     _need(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
+    _need(d.seq_len % (2 * p.context) == 0,
+          f"data.seq_len={d.seq_len} is not divisible by 2*parallel.context={2 * p.context} (each context-parallel "
+          f"rank holds 2 of 2*context equal chunks); choose a multiple of {2 * p.context}")
     _need(not d.weights or len(d.weights) == len(d.paths),
           f"data.weights has {len(d.weights)} entries but data.paths has {len(d.paths)}; give one weight per path "
           f"or none")

@@ -6,7 +6,8 @@ starting at ``consumed_samples``; DP rank ``r`` takes the ``r``-th slice of
 ``micro_batch_size``. ``consumed_samples`` counts samples over all DP ranks, as
 Megatron does, so a checkpoint taken at any DP size resumes at the same place.
 Iteration stops (on every rank at once) when a whole global micro-batch no
-longer fits in the dataset.
+longer fits in the dataset. Under context parallelism the CP ranks of one DP rank
+read the same samples and each keeps its share of every row (``ContextShard.split``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import warnings
 from typing import Any, Iterator
 
 import torch
+
+from k3train.parallel.context_shard import ContextShard
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 _DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
@@ -25,7 +28,7 @@ class BatchIterator:
     (int64, int64, float32, int64). ``position_ids`` restart at 0 at every document start."""
 
     def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 consumed_samples: int = 0):
+                 consumed_samples: int = 0, context: ContextShard | None = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -39,6 +42,7 @@ class BatchIterator:
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
         self.consumed_samples = int(consumed_samples)
+        self.context = context
 
     @property
     def global_micro_batch(self) -> int:
@@ -59,6 +63,8 @@ class BatchIterator:
         samples = [self.dataset[i] for i in range(first, first + self.micro_batch_size)]
         batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(_DTYPES[k]) for k in KEYS}
         self.consumed_samples = start + self.global_micro_batch
+        if self.context is not None:
+            batch = {k: self.context.split(v) for k, v in batch.items()}
         return batch
 
     def state_dict(self) -> dict[str, Any]:

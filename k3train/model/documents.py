@@ -7,6 +7,10 @@ mixer needs so that no information crosses a document boundary:
 - ``position_ids``: the short conv masks taps that reach before the document start;
 - ``cu_seqlens`` [N+1] (int32, over the flattened B·T tokens): KDA resets its state;
 - ``doc_ids`` [B, T]: MLA allows attention only within one document.
+
+Under context parallelism (``shard`` set) the tensors describe this rank's share of each row
+(``k3train.parallel.context_shard``); ``query_index`` [T_local] gives each local token's position
+in the whole row and ``key_doc_ids`` [B, T] the document ids of the whole rows (MLA's keys).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3train.parallel.context_shard import ContextShard
+
 
 @dataclass
 class Documents:
@@ -22,6 +28,9 @@ class Documents:
     doc_ids: torch.Tensor  # [B, T] int64, document index (unique over the batch)
     cu_seqlens: torch.Tensor  # [N + 1] int32, document offsets in the flattened B*T tokens
     one_per_row: bool  # every row holds exactly one document (no mask needed beyond causal)
+    shard: ContextShard | None = None  # context parallelism: this rank's share of the rows
+    query_index: torch.Tensor | None = None  # [T_local] int64, position of each local token in the row
+    key_doc_ids: torch.Tensor | None = None  # [B, T] int64, doc_ids of the whole rows
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> "Documents":
@@ -36,6 +45,15 @@ class Documents:
         cu_seqlens = torch.cat([offsets, total])
         one_per_row = bool(cu_seqlens.numel() - 1 == position_ids.shape[0])
         return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=one_per_row)
+
+    @classmethod
+    def for_shard(cls, position_ids: torch.Tensor, shard: ContextShard) -> "Documents":
+        """The documents of this CP rank's share [B, T/C] of rows whose other chunks are elsewhere."""
+        whole = cls.from_position_ids(shard.gather_sequence(position_ids))
+        index = shard.global_index(position_ids.shape[1], position_ids.device)
+        local = cls.from_position_ids(position_ids)  # cu_seqlens per local row (KDA under CP re-derives its own)
+        return cls(position_ids=position_ids, doc_ids=whole.doc_ids[:, index], cu_seqlens=local.cu_seqlens,
+                   one_per_row=whole.one_per_row, shard=shard, query_index=index, key_doc_ids=whole.doc_ids)
 
     @classmethod
     def single(cls, batch: int, seq: int, device: torch.device | str = "cpu") -> "Documents":

@@ -6,6 +6,10 @@
 
 ``forward(tokens, position_ids, labels=None, loss_mask=None)`` returns the mean token loss
 when labels are given, else the (TP-local) logits [B, T, V/tp].
+
+Under context parallelism the inputs are this rank's share [B, T/C] of each row
+(``k3train.parallel.context_shard``) and the loss is C · Σ_local loss / Σ_rows mask, so that the
+mean over the CP ranks (taken with the gradients over DP×CP) is the rows' mean token loss.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from k3train.model.layer import K3Layer
 from k3train.model.moe import LatentMoE
 from k3train.model.norm import RMSNorm
 from k3train.model.roles import Kind
+from k3train.parallel.context_shard import ContextShard
 from k3train.parallel.state import ParallelGroups
 from k3train.parallel.tensor_parallel import TPSpec
 
@@ -30,6 +35,8 @@ class K3Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = TPSpec(groups, cfg.init_std, linear_backend, ep_dispatcher)
+        cp = groups is not None and groups.cp_size > 1
+        self.context = ContextShard(groups.cp, groups.cp_size, groups.cp_rank) if cp else None
         d = cfg.hidden_size
         self.embed_tokens = self.tp.embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(K3Layer(cfg, self.tp, i) for i in range(cfg.num_layers))
@@ -42,9 +49,15 @@ class K3Model(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        docs = Documents.from_position_ids(position_ids)
+        if position_ids is None:  # one document per row
+            T = tokens.shape[1]
+            index = torch.arange(T, device=tokens.device) if self.context is None else \
+                self.context.global_index(T, tokens.device)
+            position_ids = index.expand_as(tokens)
+        if self.context is None:
+            docs = Documents.from_position_ids(position_ids)
+        else:
+            docs = Documents.for_shard(position_ids, self.context)
         partial = self.embed_tokens(tokens).float()
         bank: list[torch.Tensor] = []
         for layer in self.layers:
@@ -55,5 +68,8 @@ class K3Model(nn.Module):
             return logits
         losses = self.tp.cross_entropy(logits, labels)
         if loss_mask is None:
-            return losses.mean()
-        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+            loss_mask = torch.ones_like(losses)
+        total, count = (losses * loss_mask).sum(), loss_mask.sum()
+        if self.context is not None:
+            total, count = total * self.context.size, self.context.all_reduce_sum(count)
+        return total / count.clamp(min=1)

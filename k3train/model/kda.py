@@ -11,7 +11,9 @@ Per token x ∈ R^d, heads H (local to this TP rank), head dim h, P = H·h:
     y        = W_o · flatten(RMSNorm_w(o) ⊙ σ(W_g x))   (row-parallel)
 
 q and k are L2-normalised per head inside the kernel. The recurrence runs in
-``kernels.kda`` (Triton on GPU, a chunked PyTorch reference on CPU).
+``kernels.kda`` (Triton on GPU, a chunked PyTorch reference on CPU). Under context parallelism
+(``docs.shard``) the conv takes its halo and the recurrence its entering state from the chunks
+before (``k3train.parallel.context_parallel``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from k3train.config.schema import ModelConfig
 from k3train.model.documents import Documents
 from k3train.model.norm import rms_norm
 from k3train.model.roles import Kind, ParamRole, set_role
+from k3train.parallel.context_parallel import causal_conv_context_parallel, kda_context_parallel
 from k3train.parallel.tensor_parallel import TPSpec
 
 
@@ -93,22 +96,29 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, docs: Documents) -> torch.Tensor:
         B, T, _ = x.shape
         H, h = self.num_heads, self.head_dim
-        pos = docs.position_ids
+        pos, shard = docs.position_ids, docs.shard
 
-        def mix(proj: nn.Module, conv: torch.Tensor) -> torch.Tensor:
-            return F.silu(causal_conv_with_resets(proj(x), conv, pos)).view(B, T, H, h)
-
-        q, k, v = mix(self.q_proj, self.q_conv1d), mix(self.k_proj, self.k_conv1d), mix(self.v_proj, self.v_conv1d)
+        # q, k, v through one depthwise conv (their channels side by side)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        weight = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d])
+        if shard is None:
+            qkv = causal_conv_with_resets(qkv, weight, pos)
+        else:
+            qkv = causal_conv_context_parallel(qkv, weight, pos, shard, causal_conv_with_resets)
+        q, k, v = F.silu(qkv).view(B, T, 3, H, h).unbind(2)
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, h)
         b = self.b_proj(x).view(B, T, H)
+        A_log, dt_bias = self.A_log.float(), self.dt_bias.float()
+        if shard is not None:
+            o = kda_context_parallel(q, k, v, f, b, A_log, dt_bias, pos, shard, lower_bound=self.lower_bound)
+        else:
+            # Pack the batch into one row so the kernel resets its state at every document start.
+            def flat(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(1, B * T, *t.shape[2:]).contiguous()
 
-        # Pack the batch into one row so the kernel resets its state at every document start.
-        def flat(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(1, B * T, *t.shape[2:]).contiguous()
-
-        o, _ = kda_op(flat(q), flat(k), flat(v), flat(f), flat(b), self.A_log.float(), self.dt_bias.float(),
-                      lower_bound=self.lower_bound, cu_seqlens=docs.cu_seqlens, use_qk_l2norm=True)
-        o = o.view(B, T, H, h)
+            o, _ = kda_op(flat(q), flat(k), flat(v), flat(f), flat(b), A_log, dt_bias, lower_bound=self.lower_bound,
+                          cu_seqlens=docs.cu_seqlens, use_qk_l2norm=True)
+            o = o.view(B, T, H, h)
         o = rms_norm(o, self.tp.copy_to_tp(self.o_norm), self.eps)
         gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, h)
         y = (o.float() * gate).to(x.dtype).reshape(B, T, H * h)

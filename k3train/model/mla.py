@@ -9,6 +9,12 @@ Per token x ∈ R^d, heads H (local to this TP rank):
     o        = softmax(q kᵀ / √(n+r), causal within each document) · v     (fp32 output)
     y        = W_o (o ⊙ σ(W_g x))
 
+Under context parallelism (``docs.shard``) the queries are this rank's share of the rows and the
+keys and values the whole rows: the ranks all-gather the compressed latent [c | k_r]
+(kv_lora + r values per token, 576 at K3 dims, instead of H·(n+r+v) expanded ones) and each
+expands it; NoPE means no position offsets to fix up, only the causal-and-same-document mask
+at the local tokens' global positions.
+
 ``max_logit`` [H] holds the running per-head maximum of the pre-softmax logits when
 ``track_max_logit`` is set (QK-clip reads and resets it). It is computed block by block
 without keeping another score tensor for backward.
@@ -61,13 +67,18 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         H, n, r, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, n + r)
-        c, k_r = self.kv_a_proj(x).split([self.kv_lora_rank, r], dim=-1)
-        k_n, val = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, T, H, n + v).split([n, v], dim=-1)
+        latent = self.kv_a_proj(x)  # [B, T, kv_lora + r]
+        if docs.shard is not None:
+            latent = docs.shard.gather_sequence(latent)  # the keys of the whole rows
+        Tk = latent.shape[1]
+        c, k_r = latent.split([self.kv_lora_rank, r], dim=-1)
+        k_n, val = self.kv_b_proj(self.kv_a_layernorm(c)).view(B, Tk, H, n + v).split([n, v], dim=-1)
         k_r = self.tp.copy_to_tp(k_r)  # shared by this rank's heads: its gradient is a TP partial sum
-        k = torch.cat([k_n, k_r.unsqueeze(2).expand(B, T, H, r)], dim=-1)
+        k = torch.cat([k_n, k_r.unsqueeze(2).expand(B, Tk, H, r)], dim=-1)
 
         q, k, val = (t.transpose(1, 2) for t in (q, k, val))  # [B, H, T, D]
-        mask = None if docs.one_per_row else self._document_mask(docs)
+        causal_only = docs.one_per_row and docs.shard is None
+        mask = None if causal_only else self._allowed(docs, 0, T).unsqueeze(1)
         if self.track_max_logit:
             self._update_max_logit(q, k, docs)
         o = F.scaled_dot_product_attention(q, k, val, attn_mask=mask, is_causal=mask is None, scale=self.scale)
@@ -76,24 +87,23 @@ class GatedMLA(nn.Module):
         return self.o_proj(y.to(x.dtype))
 
     @staticmethod
-    def _document_mask(docs: Documents) -> torch.Tensor:
-        """[B, 1, T, T] bool: causal and within one document."""
+    def _allowed(docs: Documents, start: int, end: int) -> torch.Tensor:
+        """[B, end − start, T_keys] bool: which keys local queries start..end may attend to — causal
+        (by position in the whole row) and within one document."""
         ids = docs.doc_ids
-        T = ids.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        return ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal).unsqueeze(1)
+        key_ids = ids if docs.shard is None else docs.key_doc_ids
+        key_pos = torch.arange(key_ids.shape[1], device=ids.device)
+        query_pos = key_pos[start:end] if docs.shard is None else docs.query_index[start:end]
+        return (key_pos[None, :] <= query_pos[:, None]) & (ids[:, start:end, None] == key_ids[:, None, :])
 
     @torch.no_grad()
     def _update_max_logit(self, q: torch.Tensor, k: torch.Tensor, docs: Documents) -> None:
         """max over allowed (query, key) pairs of q·k·scale per head, in blocks of query rows."""
         T = q.shape[2]
-        ids = docs.doc_ids
-        key_pos = torch.arange(T, device=q.device)
         best = torch.full((q.shape[1],), float("-inf"), device=q.device)
         for s in range(0, T, _MAX_LOGIT_BLOCK):
             e = min(s + _MAX_LOGIT_BLOCK, T)
             logits = torch.einsum("bhqd,bhkd->bhqk", q[:, :, s:e].float(), k.float()) * self.scale
-            allowed = (key_pos[None, :] <= key_pos[s:e, None]) & (ids[:, s:e, None] == ids[:, None, :])
-            logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+            logits = logits.masked_fill(~self._allowed(docs, s, e).unsqueeze(1), float("-inf"))
             best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))
         self.max_logit.copy_(torch.maximum(self.max_logit.to(best.device), best))

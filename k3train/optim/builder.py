@@ -31,7 +31,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: ParallelGroups |
             return build_muon(named, cfg)
         # expert stacks sharded over EP share out their Newton–Schulz work over the expert-DP ranks
         expert_dp = groups.expert_dp if groups.ep_size > 1 else None
-        return build_muon(named, cfg, dp_group=groups.dp, tp_group=groups.tp, expert_dp_group=expert_dp)
+        return build_muon(named, cfg, dp_group=groups.dp_cp, tp_group=groups.tp, expert_dp_group=expert_dp)
     decay, no_decay = [], []
     for name, p in named:
         (no_decay if require_role(name, p).no_weight_decay else decay).append(p)

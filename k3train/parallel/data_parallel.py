@@ -49,22 +49,22 @@ def _reduce(grads: list[torch.Tensor], group, divisor: int, bucket_bytes: int) -
 
 
 def average_gradients(params: list[nn.Parameter], groups: ParallelGroups, bucket_bytes: int = 64 << 20) -> None:
-    """Replicated parameters: g ← mean over DP of g. Expert-parallel ones: g ← (Σ_expert_dp g) / dp_size.
+    """Replicated parameters: g ← mean over DP×CP of g. Expert-parallel ones: g ← (Σ_expert_dp g) / dp_cp_size.
 
     A parameter without a gradient on this rank (no token reached an expert stack) gets a zero one
     first, so that every rank reduces the same buckets."""
-    if groups.dp_size == 1:
+    if groups.dp_cp_size == 1:
         return
     for p in params:
         if p.grad is None and p.requires_grad:
             p.grad = torch.zeros_like(p)
     grads = [(p.grad, groups.ep_size > 1 and _is_expert_parallel(p)) for p in params if p.grad is not None]
-    _reduce([g for g, ep in grads if not ep], groups.dp, groups.dp_size, bucket_bytes)
+    _reduce([g for g, ep in grads if not ep], groups.dp_cp, groups.dp_cp_size, bucket_bytes)
     expert = [g for g, ep in grads if ep]
     if expert and groups.expert_dp_size > 1:
-        _reduce(expert, groups.expert_dp, groups.dp_size, bucket_bytes)
+        _reduce(expert, groups.expert_dp, groups.dp_cp_size, bucket_bytes)
     elif expert:
-        torch._foreach_div_(expert, groups.dp_size)
+        torch._foreach_div_(expert, groups.dp_cp_size)
 
 
 def global_grad_norm(params: list[nn.Parameter], groups: ParallelGroups | None) -> torch.Tensor:

@@ -22,10 +22,12 @@ from k3train.config.schema import ParallelConfig
 class ParallelGroups:
     """Explicit process groups of one rank. The groups are None in a single process.
 
-    ``dp`` spans every rank with the same tensor-parallel rank (its size is world / TP). Expert
-    parallelism splits it: ``ep`` holds the ranks that share out the experts (a token's copies go
-    to them by all-to-all), and ``expert_dp`` the ranks that hold the same experts
-    (``dp_size = ep_size · expert_dp_size``).
+    ``dp`` spans the ranks that read different micro-batches (world / (TP·CP)); ``cp`` the ranks
+    that share one sequence (each holds 2 of its 2·CP chunks, ``k3train.parallel.cp_layout``).
+    ``dp_cp`` is their product: the ranks that hold the same dense weights, over which gradients,
+    losses and statistics are reduced. Expert parallelism splits ``dp_cp``: ``ep`` holds the ranks
+    that share out the experts (a token's copies go to them by all-to-all), and ``expert_dp`` the
+    ranks that hold the same experts (``dp_cp_size = ep_size · expert_dp_size``).
     """
 
     tp: dist.ProcessGroup | None = None
@@ -42,6 +44,12 @@ class ParallelGroups:
     expert_dp: dist.ProcessGroup | None = None
     expert_dp_size: int = 1
     expert_dp_rank: int = 0
+    cp: dist.ProcessGroup | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    dp_cp: dist.ProcessGroup | None = None
+    dp_cp_size: int = 1
+    dp_cp_rank: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -103,6 +111,12 @@ def init_parallel(cfg: ParallelConfig, device: torch.device) -> ParallelGroups:
         expert_dp=ps.get_expert_data_parallel_group(),
         expert_dp_size=ps.get_expert_data_parallel_world_size(),
         expert_dp_rank=ps.get_expert_data_parallel_rank(),
+        cp=ps.get_context_parallel_group(),
+        cp_size=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+        dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+        dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
     )
 
 

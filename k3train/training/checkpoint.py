@@ -65,7 +65,7 @@ def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups):
     if tp_sharded:
         offsets.append((dim, groups.tp_rank, groups.tp_size))
     expert_parallel = ep_dim is not None and groups.ep_size > 1
-    replica = groups.expert_dp_rank if expert_parallel else groups.dp_rank
+    replica = groups.expert_dp_rank if expert_parallel else groups.dp_cp_rank
     replica_id = replica if tp_sharded else (groups.tp_rank, replica)
     return ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=replica_id)
 

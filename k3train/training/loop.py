@@ -3,9 +3,9 @@
 One optimizer step:
     for each of global_batch / (micro_batch · DP) micro-batches:
         loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
-    average gradients over DP; ‖g‖ over TP; clip; optimizer.step(); scheduler.step()
+    average gradients over DP×CP; ‖g‖ over TP; clip; optimizer.step(); scheduler.step()
         (model.qb_updates_per_step > 1: Quantile Balancing also between groups of micro-batches)
-    Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP), optionally
+    Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP×CP), optionally
     from the step's router inputs re-scored by the updated router (model.qb_rescore_stride)
     QK-clip (Muon recipe) rescales MLA heads whose max logit exceeded τ
 
@@ -122,7 +122,8 @@ class Trainer:
             num_valid_samples=max(1, evals * t.eval_iters * t.micro_batch_size * self.groups.dp_size),
             tokenizer=self.tokenizer)
         g = self.groups
-        self.train_iter = BatchIterator(train_ds, t.micro_batch_size, g.dp_rank, g.dp_size)
+        self.train_iter = BatchIterator(train_ds, t.micro_batch_size, g.dp_rank, g.dp_size,
+                                        context=self.model.context)
         self.valid_ds = valid_ds
 
     def _maybe_resume(self) -> None:
@@ -184,13 +185,13 @@ class Trainer:
             loss_sum += loss.detach()
             if micro % qb_window == 0 and micro < self.n_micro:
                 for layer in moe:  # Quantile Balancing within the step (model.qb_updates_per_step)
-                    layer.update_bias(self.groups.dp, after_optimizer_step=False)
+                    layer.update_bias(self.groups.dp_cp, after_optimizer_step=False)
         average_gradients(self.params, self.groups)
         grad_norm = global_grad_norm(self.params, self.groups)
         clip_gradients(self.params, self.cfg.optim.grad_clip, grad_norm)
-        if self.groups.dp_size > 1:  # the guard needs the step's loss, the same on every rank, before the update
-            dist.all_reduce(loss_sum, group=self.groups.dp)
-            loss_sum /= self.groups.dp_size
+        if self.groups.dp_cp_size > 1:  # the guard needs the step's loss, the same on every rank, before the update
+            dist.all_reduce(loss_sum, group=self.groups.dp_cp)
+            loss_sum /= self.groups.dp_cp_size
         loss_value = float(loss_sum / self.n_micro)
         skip_reason = self.guard.check(loss_value, float(grad_norm))
         skipped = skip_reason is not None
@@ -198,11 +199,11 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         for layer in moe:
-            layer.update_bias(self.groups.dp)
+            layer.update_bias(self.groups.dp_cp)
         if self.cfg.optim.qk_clip_tau and not skipped:
             from k3train.optim.qk_clip import apply_qk_clip
 
-            apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp)
+            apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp_cp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -217,7 +218,7 @@ class Trainer:
         }
 
     def _expert_load(self, moe: list) -> dict:
-        """Per-layer expert load of the step, pooled over micro-batches and DP ranks (one all-reduce
+        """Per-layer expert load of the step, pooled over micro-batches and DP×CP ranks (one all-reduce
         each for the counts and the worst micro-batch), and each layer's QB bias range."""
         if not moe:
             return {}
@@ -226,9 +227,9 @@ class Trainer:
         ep = self._ep_compute_balance([layer.load.computed for layer in moe])
         for layer in moe:
             layer.load.reset()
-        if self.groups.dp_size > 1:
-            dist.all_reduce(tokens, group=self.groups.dp)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        if self.groups.dp_cp_size > 1:
+            dist.all_reduce(tokens, group=self.groups.dp_cp)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.groups.dp_cp)
         pooled = tokens.max(1).values / tokens.mean(1).clamp(min=1e-9)
         bias = torch.stack([layer.gate.e_score_correction_bias for layer in moe])
         worst_layer = self.moe_layer_ids[int(pooled.argmax())]
@@ -256,11 +257,11 @@ class Trainer:
 
         self.model.eval()
         g, t = self.groups, self.cfg.train
-        it = BatchIterator(self.valid_ds, t.micro_batch_size, g.dp_rank, g.dp_size)
+        it = BatchIterator(self.valid_ds, t.micro_batch_size, g.dp_rank, g.dp_size, context=self.model.context)
         losses = torch.stack([self._forward(next(it)).float() for _ in range(t.eval_iters)]).mean()
-        if g.dp_size > 1:
-            dist.all_reduce(losses, group=g.dp)
-            losses /= g.dp_size
+        if g.dp_cp_size > 1:
+            dist.all_reduce(losses, group=g.dp_cp)
+            losses /= g.dp_cp_size
         return float(losses)
 
     def _any_rank(self, flag: bool) -> bool:

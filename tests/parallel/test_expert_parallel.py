@@ -202,7 +202,7 @@ def test_validator_names_an_expert_size_that_does_not_divide():
 
     cfg = load_config(["model=k3_tiny", "parallel.expert=4", "train.global_batch_size=16"])
     validate(cfg, world_size=4)
-    with pytest.raises(ConfigError, match=r"parallel\.expert=4 must divide the 2 data-parallel ranks"):
+    with pytest.raises(ConfigError, match=r"parallel\.expert=4 must divide the 2 data×context-parallel ranks"):
         validate(load_config(["model=k3_tiny", "parallel=tp2", "parallel.expert=4"]), world_size=4)
     with pytest.raises(ConfigError, match=r"model\.num_experts=8 is not divisible by parallel\.expert=3"):
         validate(load_config(["model=k3_tiny", "parallel.expert=3"]), world_size=3)
