@@ -26,10 +26,10 @@ from k3train.parallel.tensor_parallel import TPSpec
 
 class K3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, linear_backend: str = "auto",
-                 ep_dispatcher: str = "alltoall"):
+                 ep_dispatcher: str = "alltoall", precision_recipe: str = "bf16"):
         super().__init__()
         self.cfg = cfg
-        self.tp = TPSpec(groups, cfg.init_std, linear_backend, ep_dispatcher)
+        self.tp = TPSpec(groups, cfg.init_std, linear_backend, ep_dispatcher, precision_recipe)
         d = cfg.hidden_size
         self.embed_tokens = self.tp.embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(K3Layer(cfg, self.tp, i) for i in range(cfg.num_layers))
