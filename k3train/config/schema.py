@@ -126,6 +126,9 @@ class DataConfig:
     seed: int = 1234
 
 
+PRECISION_RECIPES = ("bf16", "mxfp8", "fp8_block")  # precision.recipe (k3train/precision/recipes.py)
+
+
 @dataclass
 class PrecisionConfig:
     # "auto": bf16 on GPU, fp32 on CPU. Or "fp32" / "bf16".
@@ -134,6 +137,9 @@ class PrecisionConfig:
     linear_backend: str = "auto"
     # Quantization-aware training of routed experts (issue 5): MXFP4 weights, MXFP8 inputs.
     expert_qat: bool = False
+    # GEMM format of the linear layers (LM head and routed experts excluded): "bf16" (plain), "mxfp8"
+    # (TE on sm_100+, else exact emulation) or "fp8_block" (DeepSeek-V3 FP8 via torch._scaled_mm, GPU).
+    recipe: str = "bf16"
 
 
 @dataclass

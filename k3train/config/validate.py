@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import typing
 
-from k3train.config.schema import K3Config, ModelConfig
+from k3train.config.schema import PRECISION_RECIPES, K3Config, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -173,3 +173,9 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(pr.dtype in ("auto", "fp32", "bf16"), f"precision.dtype={pr.dtype!r}: use auto, fp32 or bf16")
     _need(pr.linear_backend in ("auto", "torch", "megatron", "te"),
           f"precision.linear_backend={pr.linear_backend!r}: use auto, megatron or te")
+    _need(pr.recipe in PRECISION_RECIPES,
+          f"precision.recipe={pr.recipe!r}: use one of {', '.join(PRECISION_RECIPES)} "
+          f"(or pick a preset: precision=bf16|mxfp8|fp8_block)")
+    _need(not (pr.recipe == "fp8_block" and t.device == "cpu"),
+          "precision.recipe=fp8_block runs on the GPU only (torch._scaled_mm with block scales); on CPU use "
+          "precision.recipe=mxfp8 or bf16")

@@ -31,10 +31,10 @@ from k3train.parallel.tensor_parallel import TPSpec
 
 class K3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, linear_backend: str = "auto",
-                 ep_dispatcher: str = "alltoall"):
+                 ep_dispatcher: str = "alltoall", precision_recipe: str = "bf16"):
         super().__init__()
         self.cfg = cfg
-        self.tp = TPSpec(groups, cfg.init_std, linear_backend, ep_dispatcher)
+        self.tp = TPSpec(groups, cfg.init_std, linear_backend, ep_dispatcher, precision_recipe)
         cp = groups is not None and groups.cp_size > 1
         self.context = ContextShard(groups.cp, groups.cp_size, groups.cp_rank) if cp else None
         d = cfg.hidden_size

@@ -11,6 +11,10 @@ implementation). Backends:
   Runs on CPU (gloo) and GPU (NCCL).
 - ``te``: Transformer Engine linears over the same TP group, when TE is importable on CUDA.
 
+``recipe`` (``precision.recipe``, ``k3train/precision/recipes.py``) sets the GEMM format of every
+linear but the LM head: the torch backend builds ``RecipeLinear``s, the megatron backend keeps
+its linears and swaps their GEMM (``_RecipeGemmImpl``), and TE runs MXFP8 natively on sm_100+.
+
 Initialisation draws the *full* matrix from the torch RNG and keeps this rank's slice, so a
 model built with the same seed is the same model at any TP size.
 """
@@ -24,6 +28,7 @@ from torch import nn
 
 from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.parallel.state import ParallelGroups
+from k3train.precision.recipes import RecipeLinear, linear_gemm, recipe_linear, te_mxfp8_forward, te_mxfp8_native
 
 
 def te_available() -> bool:
@@ -85,19 +90,45 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _RecipeGemmImpl:
+    """Mixin for a Megatron-Core parallel linear: its GEMM becomes the recipe's ``recipe_gemm``.
+
+    Megatron calls ``_forward_impl`` after its own input handling; a column linear asks for the
+    input gradient to be all-reduced over TP there (``allreduce_dgrad``), which ``_CopyToTP`` does.
+    """
+
+    recipe_gemm = None
+
+    def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, sequence_parallel=False,
+                      tp_group=None, **_):
+        if bias is not None or sequence_parallel:
+            raise NotImplementedError("precision.recipe GEMMs take no bias and no sequence parallelism")
+        if allreduce_dgrad:
+            input = _CopyToTP.apply(input, tp_group)
+        return recipe_linear(input, weight, self.recipe_gemm)
+
+
 class TPSpec:
     """Factory for the layers of one tensor-parallel rank. ``ep_dispatcher`` selects the MoE token
-    dispatcher under expert parallelism (``parallel.ep_dispatcher``: alltoall or balanced)."""
+    dispatcher under expert parallelism (``parallel.ep_dispatcher``: alltoall or balanced);
+    ``recipe`` the linears' GEMM format (``precision.recipe``)."""
 
     def __init__(self, groups: ParallelGroups | None, init_std: float, backend: str = "auto",
-                 ep_dispatcher: str = "alltoall"):
+                 ep_dispatcher: str = "alltoall", recipe: str = "bf16"):
         self.groups = groups
         self.ep_dispatcher = ep_dispatcher
         self.init_std = init_std
         self.size = groups.tp_size if groups else 1
         self.rank = groups.tp_rank if groups else 0
+        te_mxfp8 = recipe == "mxfp8" and backend in ("auto", "te") and groups is not None and te_mxfp8_native()
+        self.recipe_gemm = linear_gemm(recipe, te_native=te_mxfp8)
+        self.te_mxfp8 = te_mxfp8
         if backend == "auto":
-            backend = "torch" if groups is None else ("te" if te_available() else "megatron")
+            te = te_available() and (recipe == "bf16" or te_mxfp8)
+            backend = "torch" if groups is None else ("te" if te else "megatron")
+        if backend == "te" and self.recipe_gemm is not None:
+            raise ValueError(f"precision.recipe={recipe} runs through our own GEMMs, which Transformer Engine "
+                             f"linears cannot take; set precision.linear_backend=auto or megatron")
         if backend != "torch" and groups is None:
             raise ValueError(f"precision.linear_backend={backend} needs initialised process groups")
         if backend == "te" and not te_available():
@@ -165,14 +196,17 @@ class TPSpec:
         set_role(weight, role)
 
     def replicated(self, in_features: int, out_features: int, kind: Kind = Kind.MATRIX) -> nn.Linear:
-        lin = _without_rng(nn.Linear, in_features, out_features, bias=False)
+        if self.recipe_gemm is None:
+            lin = _without_rng(nn.Linear, in_features, out_features, bias=False)
+        else:
+            lin = _without_rng(RecipeLinear, in_features, out_features, self.recipe_gemm)
         self._init(lin.weight, ParamRole(kind))
         return lin
 
     def column(self, in_features: int, out_features: int, *, what: str, kind: Kind = Kind.MATRIX,
                head_group: str | None = None, head_dim: int | None = None) -> nn.Module:
         """y_local = x W_localᵀ, W sharded on its output rows. Input gradient is all-reduced over TP."""
-        mod = self._parallel_linear(in_features, out_features, "column")
+        mod = self._parallel_linear(in_features, out_features, "column", recipe=kind != Kind.LM_HEAD)
         assert mod.weight.shape == (self.local(out_features, what), in_features)
         self._init(mod.weight, ParamRole(kind, head_group=head_group, head_dim=head_dim, tp_partition_dim=0))
         return mod
@@ -184,22 +218,33 @@ class TPSpec:
         self._init(mod.weight, ParamRole(kind, tp_partition_dim=1))
         return mod
 
-    def _parallel_linear(self, in_features: int, out_features: int, mode: str) -> nn.Module:
-        """The backend's bias-free linear in ``mode`` ("column" or "row"), weights not yet initialised."""
+    def _parallel_linear(self, in_features: int, out_features: int, mode: str, recipe: bool = True) -> nn.Module:
+        """The backend's bias-free linear in ``mode`` ("column" or "row"), weights not yet initialised;
+        with the precision recipe's GEMMs unless ``recipe`` is False (the LM head)."""
+        gemm = self.recipe_gemm if recipe else None
         if self.backend == "torch":
-            return _without_rng(nn.Linear, in_features, out_features, bias=False)
+            if gemm is None:
+                return _without_rng(nn.Linear, in_features, out_features, bias=False)
+            return _without_rng(RecipeLinear, in_features, out_features, gemm)
         if self.backend == "te":
             import transformer_engine.pytorch as te
 
-            return te.Linear(in_features, out_features, bias=False, tp_group=self.groups.tp, tp_size=self.size,
-                             parallel_mode=mode, init_method=_no_init, params_dtype=torch.float32, device="cuda")
+            lin = te.Linear(in_features, out_features, bias=False, tp_group=self.groups.tp, tp_size=self.size,
+                            parallel_mode=mode, init_method=_no_init, params_dtype=torch.float32, device="cuda")
+            return te_mxfp8_forward(lin) if self.te_mxfp8 and recipe else lin
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         common = dict(config=self._mcore_config, init_method=_no_init, bias=False, tp_group=self.groups.tp)
+        cls = _output_only(ColumnParallelLinear if mode == "column" else RowParallelLinear)
+        if gemm is not None:
+            cls = type(cls.__name__, (_RecipeGemmImpl, cls), {})
         if mode == "column":
-            return _output_only(ColumnParallelLinear)(in_features, out_features, gather_output=False, **common)
-        return _output_only(RowParallelLinear)(in_features, out_features, input_is_parallel=True, skip_bias_add=True,
-                                               **common)
+            mod = cls(in_features, out_features, gather_output=False, **common)
+        else:
+            mod = cls(in_features, out_features, input_is_parallel=True, skip_bias_add=True, **common)
+        if gemm is not None:
+            mod.recipe_gemm = gemm
+        return mod
 
     def embedding(self, vocab: int, dim: int) -> nn.Module:
         """Token embedding, vocabulary sharded over TP."""

@@ -70,7 +70,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # same on every rank: the full weights are drawn identically
 
         self.model = K3Model(cfg.model, self.groups, cfg.precision.linear_backend,
-                             cfg.parallel.ep_dispatcher).to(self.device)
+                             cfg.parallel.ep_dispatcher, cfg.precision.recipe).to(self.device)
         if cfg.precision.expert_qat:
             from k3train.precision.mx_qat import enable_expert_qat
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from k3train.optim.newton_schulz import NS_COEFFS, NS_STEPS, default_ns_dtype, newton_schulz
+from kernels.newton_schulz.torch_ns import NS_COEFFS, NS_STEPS, default_ns_dtype, newton_schulz
 
 try:
     import triton

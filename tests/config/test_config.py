@@ -84,6 +84,8 @@ def _cfg(**sections) -> K3Config:
     ({"parallel": {"tensor": 2, "expert_tensor": 2}}, 3, "parallel.tensor"),
     ({"model": {"qb_updates_per_step": 3}}, 1, "model.qb_updates_per_step"),  # 16 / 4 = 4 micro-batches
     ({"model": {"qb_rescore_stride": -1}}, 1, "model.qb_rescore_stride"),
+    ({"precision": {"recipe": "fp4"}}, 1, "precision.recipe"),
+    ({"precision": {"recipe": "fp8_block"}, "train": {"device": "cpu"}}, 1, "precision.recipe"),
 ])
 def test_validation_names_the_field(sections, world, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

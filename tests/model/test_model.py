@@ -108,6 +108,32 @@ def test_block_attn_res_schedule_matches_eager_reference(tiny):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_attn_res_state_stays_fp32_under_bf16_autocast(tiny):
+    """K3_SPEC §2.1: under bf16 autocast the block rows, the partial sum and every aggregation are fp32
+    (the GEMMs run in bf16), and the loss stays close to the model's fp32 loss."""
+    torch.manual_seed(5)
+    tokens, labels = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
+    states, mixes = [], []
+    hooks = [layer.register_forward_hook(lambda m, args, out: states.append(out)) for layer in tiny.layers]
+    hooks += [m.register_forward_hook(lambda m, args, out: mixes.append((args[0], out))) for m in tiny.modules()
+              if type(m).__name__ == "AttnResAggregator"]
+    with torch.no_grad():
+        want = tiny(tokens, labels=labels)
+        del states[:], mixes[:]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = tiny(tokens)
+            got = tiny(tokens, labels=labels)
+    for h in hooks:
+        h.remove()
+    assert logits.dtype == torch.bfloat16  # autocast is on: the linears ran in bf16
+    assert states and mixes
+    for bank, partial in states:
+        assert partial.dtype == torch.float32 and all(row.dtype == torch.float32 for row in bank)
+    for sources, mix in mixes:  # every read of the bank and the partial sum, and its result
+        assert mix.dtype == torch.float32 and all(v.dtype == torch.float32 for v in sources)
+    assert abs(float(got) - float(want)) < 1e-2 * float(want), (float(got), float(want))
+
+
 def test_layer_zero_attention_side_attn_res_is_unused(tiny):
     tokens = torch.randint(0, 512, (1, 16))
     tiny.zero_grad()

@@ -61,7 +61,7 @@ class StandInModel(nn.Module):
     def set_grads(self, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         for n, t in full_tensors(seed).items():
             p = getattr(self, n)
-            p.grad = shard(n, t, tp_rank, tp_size).to(p.dtype)
+            p.grad = shard(n, t, tp_rank, tp_size).to(device=p.device, dtype=p.dtype)
 
 
 class StandInGatedMLA(nn.Module):
