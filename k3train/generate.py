@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", help="a tokenizer.json or tiktoken BPE file (default: the checkpoint's, else the data's)")
+    p.add_argument("--tokenizer",
+                   help="a tokenizer.json or tiktoken BPE file (default: the checkpoint's, else the data's)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = p.parse_args(argv)
     try:

@@ -153,7 +153,8 @@ def mla(w: Weights, pre: str, x: torch.Tensor, doc: torch.Tensor, cfg: dict) -> 
 
 def glu_mlp(w: Weights, pre: str, x: torch.Tensor, cfg: dict) -> torch.Tensor:
     a, c = linear(x, w.mat(f"{pre}.gate_proj")), linear(x, w.mat(f"{pre}.up_proj"))
-    return linear(situ(a, c, cfg["activation_situ_beta"], cfg["activation_situ_linear_beta"]), w.mat(f"{pre}.down_proj"))
+    y = situ(a, c, cfg["activation_situ_beta"], cfg["activation_situ_linear_beta"])
+    return linear(y, w.mat(f"{pre}.down_proj"))
 
 
 def latent_moe(w: Weights, pre: str, x: torch.Tensor, cfg: dict) -> torch.Tensor:
