@@ -16,7 +16,7 @@ Inputs:
 Outputs, all next to each other:
   * ``PREFIX.bin`` / ``PREFIX.idx``: the indexed dataset, one sequence per document,
     each ending with the EOD token;
-  * ``PREFIX.tokenizer.json``: the tokenizer (trained, or a copy of ``--tokenizer``);
+  * ``PREFIX.tokenizer.json``: the tokenizer (trained, or ``--tokenizer`` as a tokenizer.json);
   * ``PREFIX.meta.json``: counts, vocab size, EOD id, the largest token id.
 
 Files are written under temporary names and renamed at the end, so a failed or
@@ -581,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", "-o", required=True, metavar="PREFIX",
                    help="writes PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json, PREFIX.meta.json")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--tokenizer", metavar="TOKENIZER_JSON", help="use this tokenizer.json instead of training one")
+    g.add_argument("--tokenizer", metavar="TOKENIZER",
+                   help="use this tokenizer.json or tiktoken BPE file (or HF folder holding one) instead of training one")
     g.add_argument("--vocab-size", type=int, default=512, help="vocab size of the byte-level BPE to train (>= 257)")
     p.add_argument("--eod-token", default=None,
                    help=f"end-of-document token (default {EOD_TOKEN}; for --tokenizer, the first of the usual names found)")

@@ -5,8 +5,10 @@ folder. Decoding is greedy (``--greedy``) or top-p sampling (``--top-p``, ``--te
 ``--seed``), on CPU or GPU (bf16 autocast). Each new token re-runs the whole sequence (no KV/KDA
 state cache): simple and exact, meant for checks of small models, not for serving.
 
-Tokenizer: ``--tokenizer``, else ``tokenizer.json`` in an HF folder, else the data tokenizer of
-the run that wrote the checkpoint (its ``.hydra/config.yaml``), else the default corpus's.
+Tokenizer: ``--tokenizer`` (a tokenizer.json or a tiktoken BPE file), else the checkpoint folder's
+own ``tokenizer.json`` / ``tiktoken.model`` (an HF folder, or what ``from-hf`` carried over), else
+the data tokenizer of the run that wrote the checkpoint (its ``.hydra/config.yaml``), else the
+default corpus's.
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, gre
 
 
 def find_tokenizer(checkpoint: Path, explicit: str | None, vocab_size: int):
-    from k3train.data.tokenizer import load_tokenizer
+    from k3train.data.tokenizer import load_tokenizer, tokenizer_in
 
     if explicit:
         return load_tokenizer(explicit)
-    if (checkpoint / "tokenizer.json").is_file():
-        return load_tokenizer(str(checkpoint / "tokenizer.json"))
+    if tokenizer_in(str(checkpoint)):
+        return load_tokenizer(tokenizer_in(str(checkpoint)))
     from k3train.config.schema import DataConfig
     from k3train.convert.dist_checkpoint import resolve_checkpoint
     from k3train.data.datasets import resolve_data
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", help="a tokenizer.json (default: the data's tokenizer)")
+    p.add_argument("--tokenizer",
+                   help="a tokenizer.json or tiktoken BPE file (default: the checkpoint's, else the data's)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = p.parse_args(argv)
     try:

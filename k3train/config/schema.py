@@ -119,7 +119,7 @@ class DataConfig:
     # Empty: build the embedded default corpus into ``cache_dir`` on first use.
     paths: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
-    tokenizer: Optional[str] = None  # a tokenizer.json; None uses the one built with the data
+    tokenizer: Optional[str] = None  # a tokenizer.json or tiktoken BPE file; None uses the one built with the data
     cache_dir: str = "${oc.env:K3TRAIN_CACHE,'~/.cache/k3train'}"
     seq_len: int = 128
     split: str = "98,2,0"

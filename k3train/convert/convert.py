@@ -6,7 +6,8 @@ order; peak memory is one of our tensors (the largest is one layer's stacked exp
 ``import_hf``: the reverse, into a weights-only checkpoint (``train.init_from`` loads it at any
 parallel layout). Both write into ``<out>.tmp-<pid>`` and rename it to ``out`` only when complete.
 Tensors we do not own (``vision_tower.*``, ``mm_projector.*``) are kept in
-``hf_passthrough.safetensors`` on import and written back unchanged on export.
+``hf_passthrough.safetensors`` on import and written back unchanged on export. The tokenizer files
+(``tokenizer.json``, ``tiktoken.model``, ``tokenizer_config.json``) travel both ways when present.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from k3train.convert.hf_layout import (LayoutError, Mapping, TensorSpec, build_m
                                        is_passthrough, our_tensor_shapes, to_hf)
 from k3train.convert.safetensors_io import (HFFolder, ShardWriter, chunk_by_bytes, plan_shards, read_header,
                                             shard_name, write_index)
+from k3train.data.tokenizer import HF_TOKENIZER_FILES, HF_TOKENIZER_SIDECARS
 
 PASSTHROUGH_FILE = "hf_passthrough.safetensors"
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -48,6 +50,18 @@ def atomic_dir(out: Path) -> Iterator[Path]:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_tokenizer_files(sources: list[Path], dst: Path) -> None:
+    """Copy the tokenizer files (``HF_TOKENIZER_FILES`` and their sidecars) of the first folder in
+    ``sources`` that has any into ``dst``."""
+    names = HF_TOKENIZER_FILES + HF_TOKENIZER_SIDECARS
+    for src in sources:
+        found = [src / n for n in names if (src / n).is_file()]
+        if found:
+            for f in found:
+                shutil.copyfile(f, dst / f.name)
+            return
 
 
 def hf_plan(cfg: ModelConfig, experts: str, dtype: torch.dtype = torch.bfloat16) -> list[Mapping]:
@@ -89,6 +103,7 @@ def export_hf(checkpoint: Path, out: Path, experts: str = "bf16", dtype: torch.d
         write_index(tmp, shards)
         config = hf_config(cfg, experts, "bfloat16" if dtype == torch.bfloat16 else "float32")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_tokenizer_files([ckpt.path, checkpoint], tmp)
     return specs
 
 
@@ -144,6 +159,7 @@ def import_hf(hf: Path, out: Path, progress: bool = True) -> ModelConfig:
             for spec in extra:
                 writer.write(spec, folder.get(spec.name))
             writer.close()
+        copy_tokenizer_files([hf], tmp)
     return cfg
 
 

@@ -1,4 +1,5 @@
-"""Tokenizer: a small byte-level BPE trained offline, or a user ``tokenizer.json``.
+"""Tokenizer: a small byte-level BPE trained offline, a user ``tokenizer.json``, or a tiktoken BPE
+file (Kimi's ``tiktoken.model``, converted by ``k3train.data.tiktoken_file``).
 
 ``K3Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` and exposes what the
 rest of k3train needs (``vocab_size``, ``eod``, ``encode``/``decode``), plus the
@@ -114,16 +115,37 @@ class K3Tokenizer:
         return f"K3Tokenizer(path={self.path!r}, vocab_size={self.vocab_size}, eod={self.eod})"
 
 
+# The tokenizer files of an HF model folder, in the order they are looked for; tokenizer_config.json
+# names a tiktoken file's special tokens.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")
+HF_TOKENIZER_SIDECARS = ("tokenizer_config.json",)
+
+
+def tokenizer_in(folder: str) -> Optional[str]:
+    """The tokenizer file of an HF-style ``folder`` (``HF_TOKENIZER_FILES``), or None."""
+    for name in HF_TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
+
+
 def load_tokenizer(path: str, eod_token: Optional[str] = None) -> K3Tokenizer:
-    """Load a ``tokenizer.json`` (ours or any Hugging Face one)."""
+    """Load a ``tokenizer.json`` (ours or any Hugging Face one), a tiktoken BPE file, or the
+    tokenizer of an HF folder (``tokenizer_in``)."""
     from tokenizers import Tokenizer
 
+    from k3train.data.tiktoken_file import is_tiktoken_file, tiktoken_tokenizer
+
     path = os.path.expanduser(str(path))
+    if os.path.isdir(path) and tokenizer_in(path):
+        path = tokenizer_in(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"tokenizer file not found: {path} (data.tokenizer; python -m data_prep.tokenize_corpus "
-            f"writes one as <output-prefix>.tokenizer.json)"
+            f"tokenizer file not found: {path} (data.tokenizer takes a tokenizer.json, a tiktoken .model file "
+            f"or an HF folder holding one; python -m data_prep.tokenize_corpus writes <output-prefix>.tokenizer.json)"
         )
+    if is_tiktoken_file(path):
+        return K3Tokenizer(tiktoken_tokenizer(path), eod_token=eod_token, path=path)
     try:
         tok = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON

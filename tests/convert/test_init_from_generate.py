@@ -52,3 +52,33 @@ def test_generate_greedy_and_top_p(tmp_path):
     assert draws == {1}  # token 1 alone holds >= 50% of the mass
     draws = {top_p_sample(logits, 0.99, 1.0, g) for _ in range(200)}
     assert draws == {1, 2}
+
+
+def test_tiktoken_tokenizer_travels_and_generates(tmp_path, capsys):
+    """A tiktoken.model + tokenizer_config.json in our checkpoint go out with to-hf and back with
+    from-hf, and generate decodes with them (256 byte tokens + 256 specials = k3_tiny's 512 ids)."""
+    import base64
+    import json
+
+    from k3train.convert.convert import import_hf
+    from k3train.generate import find_tokenizer, main
+
+    model = random_tiny(23)
+    ours = save_model(model, tmp_path / "ours")
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(3)).tolist()
+    (ours / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {r}\n"
+                                                 for r, b in enumerate(order)))
+    (ours / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"257": {"content": "[EOS]"}}}))
+    export_hf(ours, tmp_path / "hf", "bf16", progress=False)
+    import_hf(tmp_path / "hf", tmp_path / "back", progress=False)
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (ours / name).read_bytes()
+        assert (tmp_path / "back" / name).read_bytes() == (ours / name).read_bytes()
+    tok = find_tokenizer(tmp_path / "back", None, 512)
+    assert tok.path == str(tmp_path / "back" / "tiktoken.model") and (tok.vocab_size, tok.eod) == (512, 257)
+    assert tok.encode("hé") == [order.index(b) for b in "hé".encode()]  # bytes only: one id per byte
+    main(["--checkpoint", str(tmp_path / "back"), "--prompt", "hé", "--max-new-tokens", "3", "--greedy",
+          "--device", "cpu"])
+    prompt = tok.encode("hé")
+    want = generate(model, prompt, 3, greedy=True, eod=tok.eod)
+    assert capsys.readouterr().out == tok.decode(want) + "\n"
