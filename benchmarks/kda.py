@@ -3,6 +3,7 @@
     python benchmarks/kda.py                        # the four shapes of issue 3
     python benchmarks/kda.py --shapes 8x4096x32x128,1x32768x32x128v8 --json out.json
     python benchmarks/kda.py --sweep --warm-jobs 6  # accuracy + per-kernel times per config
+    torchrun --nproc-per-node 2 benchmarks/kda.py --cp   # context parallelism (benchmarks/kda_cp.py)
 
 A shape is BxTxHxD; a trailing ``vN`` packs B*T tokens as N documents of uneven length
 (B must be 1, ``cu_seqlens``).  Inputs are bf16, gate/L2 norm/beta sigmoid in the kernel,
@@ -267,7 +268,15 @@ def main():
                          "cache; run it first when TRITON_CACHE_DIR is fresh)")
     ap.add_argument("--config", default="", help="json dict overriding chunk.CONFIG")
     ap.add_argument("--device", default="cuda", help="cpu = smoke test under TRITON_INTERPRET=1")
+    ap.add_argument("--cp", action="store_true",
+                    help="under torchrun: one document at CP=world size vs CP=1 (benchmarks/kda_cp.py)")
+    ap.add_argument("--cp-shape", default="1x65536x32x128", help="BxTxHxD of the --cp document")
     args = ap.parse_args()
+    if args.cp:
+        from kda_cp import main as cp_main
+
+        cp_main(args.cp_shape, args.json)
+        return
     dev = args.device
     from kernels.kda import chunk
     if args.config:
