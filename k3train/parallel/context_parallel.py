@@ -5,7 +5,8 @@ KDA's recurrent state crosses the chunk boundaries (PARALLEL_NOTES.md §2, issue
 head, a chunk maps the state entering it affinely: S_out = M·S_in + S_ext (M [K, K], fp32;
 ``kernels.kda.state_passing``). A rank
 
-1. computes (M, S_ext) of its two chunks for every row (M = 0 when a document starts inside);
+1. computes (M, S_ext) of its two chunks for every row in one packed pass (M = 0 when a document
+   starts inside);
 2. all-gathers them (one collective) over the CP group and chains the 2C chunks in global order
    in fp32:
    S_in[c] = M[c−1]·S_in[c−1] + S_ext[c−1], S_in[0] = 0;
@@ -31,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda import kda
-from kernels.kda.state_passing import chain_states, segment_transition
+from kernels.kda import MAX_V, kda
+from kernels.kda.state_passing import chain_states
 from k3train.parallel.context_shard import ContextShard
 
 
@@ -68,48 +69,63 @@ def causal_conv_context_parallel(x: torch.Tensor, weight: torch.Tensor, position
     return out[:, halo_len:].reshape(x.shape[0], x.shape[1], *out.shape[2:])
 
 
-def _row_documents(position_ids: torch.Tensor) -> list[tuple[list[int], bool]]:
-    """Per chunk row: local document bounds [0, …, L] and whether a document starts at the chunk's
-    first token."""
-    out = []
-    for row in position_ids.tolist():
-        starts = [t for t in range(1, len(row)) if row[t] == 0]
-        out.append(([0, *starts, len(row)], row[0] == 0))
-    return out
+def _pieces(position_ids: torch.Tensor) -> tuple[list[int], list[bool], list[int]]:
+    """The chunk rows [N, L] cut at every document start, as one packed sequence of N·L tokens:
+    piece offsets ``cu`` [P + 1], whether each piece continues a document from the chunk before
+    (a row's first piece, unless a document starts at its first token), and each piece's row."""
+    N, L = position_ids.shape
+    cu, continues, row_of = [0], [], []
+    for b, row in enumerate(position_ids.tolist()):
+        starts = [t for t in range(1, L) if row[t] == 0]
+        for j, end in enumerate([*starts, L]):
+            cu.append(b * L + end)
+            continues.append(j == 0 and row[0] != 0)
+            row_of.append(b)
+    return cu, continues, row_of
+
+
+def _chunk_transitions(q, k, v, g, beta, A_log, dt_bias, cu, continues, row_of, kw) -> torch.Tensor:
+    """[N, H, K, K + V] fp32: each chunk row's [M | S_ext] from one packed KDA pass.
+
+    The recurrence is linear in the state, so running values [0 | v] from the state [I | 0] carries
+    M in the first K value columns and S_ext in the rest; a piece that does not continue a document
+    starts from 0 (its M is 0). A row's [M | S_ext] is the final state of its last piece."""
+    N, L, H, K = q.shape
+    V = v.shape[-1]
+    eye = torch.eye(K, device=q.device).expand(H, K, K)
+    zero = q.new_zeros(H, K, K + V, dtype=torch.float32)
+    x0 = torch.stack([torch.cat([eye, zero[..., K:]], -1) if c else zero for c in continues])
+    v_aug = torch.cat([v.new_zeros(N, L, H, K), v], -1)
+    _, final = kda(*(_packed(t) for t in (q, k, v_aug, g, beta)), A_log, dt_bias, initial_state=x0.contiguous(),
+                   output_final_state=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=q.device), **kw)
+    last = [i for i in range(len(row_of)) if i + 1 == len(row_of) or row_of[i + 1] != row_of[i]]
+    return final[last]
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """[N, L, *] → [1, N·L, *]."""
+    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]).contiguous()
 
 
 def kda_context_parallel(q, k, v, g, beta, A_log, dt_bias, position_ids: torch.Tensor, shard: ContextShard, *,
                          lower_bound: float, use_qk_l2norm: bool = True) -> torch.Tensor:
     """KDA on this rank's share of every row, exact against the whole rows on one rank
-    → o [B, 2L, H, V]."""
+    → o [B, 2L, H, V]. Two packed KDA passes (transitions, then the rerun) and one collective."""
     B, T_local, H, K = q.shape
     V = v.shape[-1]
+    if K + V > MAX_V:
+        raise ValueError(f"kda context parallel: K + V = {K + V} is above the kernel's {MAX_V} value columns")
     kw = dict(lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm)
     q, k, v, g, beta = (_chunk_rows(t) for t in (q, k, v, g, beta))
-    rows = _row_documents(_chunk_rows(position_ids))
-    L = T_local // 2
-    Ms, Ss = [], []
-    for b, (bounds, starts) in enumerate(rows):
-        seg = [t[b:b + 1] for t in (q, k, v, g, beta)]
-        M, S = segment_transition(*seg, A_log, dt_bias, cu_seqlens=torch.tensor(bounds, device=q.device),
-                                  starts_document=starts, **kw)
-        Ms.append(M[0])
-        Ss.append(S[0])
-    MS_all = _per_chunk(torch.cat([torch.stack(Ms), torch.stack(Ss)], -1), shard)  # [2C, B, H, K, K + V] fp32
+    cu, continues, row_of = _pieces(_chunk_rows(position_ids))
+    MS = _chunk_transitions(q, k, v, g, beta, A_log, dt_bias, cu, continues, row_of, kw)
+    MS_all = _per_chunk(MS, shard)  # [2C, B, H, K, K + V] fp32
     M_all, S_all = MS_all.split([K, V], -1)
     S_in = _mine(chain_states(M_all, S_all), shard)  # [2B, H, K, V]
-    S_in = S_in + 0.0 * (M_all.sum() + S_all.sum())  # chunk 0's S_in is a constant otherwise
+    S_in = S_in + 0.0 * MS_all.sum()  # chunk 0's S_in is a constant otherwise
 
-    # rerun: the chunk rows packed into one, every local document with its initial state
-    cu, h0 = [0], []
-    for b, (bounds, starts) in enumerate(rows):
-        for j in range(len(bounds) - 1):
-            cu.append(b * L + bounds[j + 1])
-            h0.append(S_in[b] if j == 0 and not starts else 0.0 * S_in[b])  # in the graph everywhere
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(1, 2 * B * L, *t.shape[2:]).contiguous()
-
-    o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta), A_log, dt_bias, initial_state=torch.stack(h0),
+    # rerun: every piece from its entering state (0 where a document starts; in the graph everywhere)
+    h0 = torch.stack([S_in[b] if c else 0.0 * S_in[b] for b, c in zip(row_of, continues)])
+    o, _ = kda(*(_packed(t) for t in (q, k, v, g, beta)), A_log, dt_bias, initial_state=h0,
                cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=q.device), **kw)
     return o.view(B, T_local, H, V)
