@@ -19,7 +19,7 @@ def test_moe_ep_benchmark_every_dispatcher_and_case(tmp_path):
     out = tmp_path / "moe_ep.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(REPO / "benchmarks" / "moe.py"), "--ep", "--experts", "8", "--topk", "2",
+                           str(REPO / "benchmarks" / "moe.py"), "--ep", "--experts", "8", "--topk", "3",
                            "--latent", "16", "--width", "16", "--tokens", "64", "--warmup", "0", "--rep", "2",
                            "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -35,8 +35,8 @@ def test_moe_ep_benchmark_every_dispatcher_and_case(tmp_path):
         assert all(t > 0 for t in phases) and sum(phases) <= r["ms"] + 1e-9, (dispatcher, case, r)
         assert abs(r["dispatch_combine_ms"] - r["phases_ms"]["dispatch"] - r["phases_ms"]["combine"]) < 1e-9
         assert r["rank_medians_ms"]["iteration"][r["slowest_rank"]] == max(r["rank_medians_ms"]["iteration"])
-        assert sum(r["rows_per_rank"]) == 2 * 64 * 2
+        assert sum(r["rows_per_rank"]) == 2 * 64 * 3
     for case in CASES:
         assert rows["balanced", case]["compute_max_over_mean"] == 1.0  # exactly S·K copies per rank
         assert rows["megatron", case]["rows_per_rank"] == rows["alltoall", case]["rows_per_rank"]  # at home
-    assert rows["alltoall", "zero-load"]["rows_per_rank"] == [256, 0]
+    assert rows["alltoall", "zero-load"]["rows_per_rank"] == [384, 0]
