@@ -96,6 +96,7 @@ class MegatronAlltoAll:
         return experts.w13, experts.w2
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """y [M, ℓ] → u [N, ℓ]; the gate weights came with the rows (``weights`` is unused)."""
-        y = self.mcore.combine_preprocess(y * probs[:, None])
+        """y [M, ℓ] → u [N, ℓ]; the gate weights came with the rows (``weights`` is unused). The
+        weighted rows keep y's dtype, as Megatron-Core's experts return them."""
+        y = self.mcore.combine_preprocess((y * probs[:, None]).to(y.dtype))
         return self.mcore.combine_postprocess(self.mcore.token_combine(y))
