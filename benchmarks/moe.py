@@ -5,6 +5,8 @@ Megatron-Core's experts and a dense GEMM chain of the same FLOPs, on natural and
     python benchmarks/moe.py --tokens 32768 --routing skewed
     python benchmarks/moe.py --device cpu --dtype fp32 --tokens 256 --experts 8 --topk 2 \
         --latent 32 --width 32                                      # smoke
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/moe.py --ep
+                                  # expert parallelism: benchmarks/moe_ep.py, which takes the other flags
 
 Defaults are bench-1B's MoE dims: E=128 experts, top-k=8, latent l=512, expert width I=256.
 A row times dispatch -> experts -> combine from the latent tokens z [N, l], the chosen experts
@@ -210,7 +212,16 @@ def megatron_case(module, ref, z, experts, weights, w, dout):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--ep" in argv:
+        from moe_ep import main as ep_main
+
+        ep_main([a for a in argv if a != "--ep"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ep", action="store_true",
+                    help="under torchrun: expert parallelism, alltoall vs balanced vs Megatron-Core's dispatcher "
+                         "(benchmarks/moe_ep.py; every other flag is its own)")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--latent", type=int, default=512)
