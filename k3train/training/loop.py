@@ -33,6 +33,8 @@ from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.parallel.data_parallel import average_gradients, clip_gradients, global_grad_norm
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
 from k3train.training.checkpoint import load_checkpoint, save_checkpoint
+from k3train.training.checkpoint_writer import CheckpointWriter
+from k3train.training.collective_timeout import set_collective_timeout
 from k3train.training.flops import peak_flops, train_flops_per_token
 from k3train.training.guards import StepGuard, TrainingStopped
 from k3train.training.integrity import resume_checkpoint
@@ -62,6 +64,10 @@ class Trainer:
         t = cfg.train
         self.device = pick_device(t.device)
         self.groups: ParallelGroups = init_parallel(cfg.parallel, self.device)
+        g = self.groups
+        if g.world_size > 1:
+            set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp], t.collective_timeout_s)
+        self.writer = CheckpointWriter(asynchronous=t.async_save)
         self.run_dir = Path(t.out_dir)
         self.lock = RunDirLock(self.run_dir)
         self._claim_run_dir()
@@ -263,20 +269,21 @@ class Trainer:
             losses /= g.dp_size
         return float(losses)
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any (so all ranks save and stop together)."""
-        if self.groups.world_size == 1:
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+    def _any_rank(self, *flags: bool):
+        """Each flag true on every rank when it is true on any (so all ranks save and stop together);
+        one all-reduce for all of them. One flag gives a bool, several a tuple."""
+        if self.groups.world_size > 1:
+            t = torch.tensor([int(f) for f in flags], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flags = tuple(bool(v) for v in t.tolist())
+        return flags[0] if len(flags) == 1 else tuple(flags)
 
     # --- the run -----------------------------------------------------------------------------
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                         self.train_iter.state_dict(), self.groups, self.cfg.model,
                         trainer_state={"guard": self.guard.state_dict(), "config": dataclasses.asdict(self.cfg)},
-                        keep_last=self.cfg.train.keep_last)
+                        keep_last=self.cfg.train.keep_last, writer=self.writer)
 
     def _save_if_healthy(self, final: bool) -> bool:
         """Checkpoint unless the run is inside a streak of skipped steps (then ``latest`` stays put);
@@ -320,14 +327,23 @@ class Trainer:
                     self.logger.log(val)
                 if deadline is not None and time.monotonic() >= deadline and not stop["now"]:
                     stop.update(now=True, name=f"train.exit_after_minutes={t.exit_after_minutes:g}")
-                stop_now = self._any_rank(stop["now"])
+                # An async checkpoint is published once every rank's writer is done (same all-reduce).
+                stop_now, writing = self._any_rank(stop["now"], not self.writer.written())
+                if self.writer.pending and not writing:
+                    self.writer.finalize()
                 if (t.save_every and self.step % t.save_every == 0) or self.step == last or stop_now:
                     saved = self._save_if_healthy(final=self.step == last and not stop_now)
                 if stop_now:
+                    self.writer.finalize()
                     what = f"saved step {self.step}" if saved else "saved nothing (inside a streak of skipped steps)"
                     print(f"{stop['name'] or 'stop requested on another rank'}: {what} and stopped", flush=True)
                     break
+            self.writer.finalize()
+        except TrainingStopped:  # the same on every rank: the healthy checkpoint being written is published
+            self.writer.finalize()
+            raise
         finally:
+            self.writer.abort()  # only after an error: an unfinished async checkpoint is discarded
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.logger.close()
