@@ -86,3 +86,42 @@ def test_killed_rank_ends_the_job_and_the_resume_continues(tmp_path):
     after = losses(run)
     for step in overlap:
         assert after[step] == before[step], (step, before[step], after[step])
+
+
+def _hang(rank: int, world: int, port: int, flag: str, timings: str) -> None:
+    """Rank 1 never joins the all-reduce; it waits (20 s at most) until rank 0 has given up."""
+    import torch
+    import torch.distributed as dist
+
+    from k3train.training.collective_timeout import set_collective_timeout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        assert set_collective_timeout([None], 1.0) == 1
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(1))
+                raised = False
+            except RuntimeError:
+                raised = True
+            with open(timings, "w") as f:
+                json.dump({"raised": raised, "seconds": time.monotonic() - start}, f)
+            open(flag, "w").close()
+        else:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collective_timeout_fails_a_wait_for_a_hung_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    from multiprocess import free_port
+
+    timings = tmp_path / "timings.json"
+    mp.spawn(_hang, args=(2, free_port(), str(tmp_path / "done"), str(timings)), nprocs=2, join=True)
+    result = json.loads(timings.read_text())
+    assert result["raised"] and result["seconds"] < 8, result  # without the timeout: 20 s, when rank 1 leaves
