@@ -6,6 +6,8 @@
   multiprocessing Manager and resource tracker behind);
 - the resume from the last checkpoint trains the steps the killed run had trained after it with
   bit-identical losses.
+
+And the mechanism behind train.collective_timeout_s: a gloo all-reduce waiting for a hung rank fails.
 """
 
 from __future__ import annotations
