@@ -2,33 +2,26 @@
 """Build a wheelhouse: every wheel an offline machine needs to install k3train.
 
     python launch/build_wheelhouse.py --python-version 3.12 --platform manylinux_2_28_x86_64 \\
-        --out wheelhouse [--extras bench] [--exclude torch,triton,nvidia-*]
+        --out wheelhouse [--extras dev] [--exclude torch,triton,nvidia-*]
 
 then, on the offline machine (which already has the excluded packages):
 
-    pip install --no-index --find-links wheelhouse 'k3train[bench]'
+    pip install --no-index --find-links wheelhouse 'k3train[dev]'
 
-What it does:
-  1. builds the k3train wheel from this checkout (a clean copy, so no build/ litter);
-  2. walks k3train's dependencies (with the extras) for the TARGET interpreter and
-     platform: each round downloads, with ``pip download --no-deps --only-binary=:all:``,
-     the newest wheel that satisfies every requirement met so far, then reads its
-     Requires-Dist (markers evaluated for the target) for the next round;
-  3. skips excluded packages and everything reachable only through them (the GPU
-     image's torch brings its own sympy, networkx, nvidia-* ...). Default excludes:
-     torch, triton, nvidia-*. ``--exclude`` adds to them; ``--no-default-excludes``
-     drops them;
-  4. a package that has only a source distribution (antlr4-python3-runtime, needed by
-     omegaconf) is built here into a wheel, which is accepted only if it is pure Python;
-  5. by default keeps the versions installed in the running environment (the ones the
-     CPU tests ran with, e.g. megatron-core 0.16.1) when the target has wheels of them;
-     ``--newest`` takes the newest allowed instead;
-  6. removes other wheels from DIR, writes DIR/requirements.txt (the pins) and prints a
-     size table.
-
-The resolver is greedy (newest version that satisfies the requirements seen so far,
-re-picked if a later requirement excludes it); it is made for k3train's small tree and
-says so when it cannot settle.
+What it does, with pip only (no resolving here: the versions are requirements.lock's, the ones the
+test suite ran with; ``python launch/lock.py`` regenerates it):
+  1. builds the k3train wheel from this checkout (``pip wheel --no-deps``, from a clean copy, so no
+     build/ litter);
+  2. walks k3train's requirements (with the extras, markers evaluated for the TARGET interpreter and
+     platform): each package is fetched at its locked version with
+     ``pip download --no-deps --only-binary=:all:``, and its Requires-Dist gives the next ones. A
+     requirement the lock does not pin, or pins at a version the requirement excludes, is an error;
+  3. skips excluded packages and everything reachable only through them (the GPU image's torch
+     brings its own sympy, networkx, nvidia-* ...). Default excludes: torch, triton, nvidia-*.
+     ``--exclude`` adds to them; ``--no-default-excludes`` drops them;
+  4. a package that has only a source distribution (antlr4-python3-runtime, needed by omegaconf)
+     is built into a wheel by ``pip wheel``, accepted only if it is pure Python;
+  5. removes other wheels from DIR, writes DIR/requirements.txt (the pins used) and prints a size table.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_EXCLUDES = ("torch", "triton", "nvidia-*")
-MAX_ROUNDS = 30
+DEFAULT_LOCK = REPO / "requirements.lock"
 
 try:
     from packaging.markers import Marker  # noqa: F401
@@ -183,68 +176,62 @@ def target_tags(python_version: str, platforms: list[str]) -> set[str]:
     return tags
 
 
-def _prefer_local(name: str, spec: SpecifierSet, enabled: bool) -> SpecifierSet:
-    """``spec`` narrowed to the version installed in this environment, when it fits."""
-    if not enabled:
-        return spec
-    from importlib import metadata
+def read_lock(path: Path) -> dict[str, Version]:
+    """``name==version`` lines of a lock (comments and blank lines skipped) as name -> version."""
+    if not path.is_file():
+        die(f"{path} does not exist; write it with: python launch/lock.py (in the venv the tests passed in)")
+    pins = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)
+        spec = list(req.specifier)
+        if len(spec) != 1 or spec[0].operator != "==" or req.marker is not None:
+            die(f"{path}:{n}: {line!r} is not a name==version pin")
+        pins[canonicalize_name(req.name)] = Version(spec[0].version)
+    return pins
 
-    try:
-        local = Version(metadata.version(name))
-    except Exception:
-        return spec
-    if local.local or not spec.contains(local, prereleases=True):  # e.g. torch 2.13.0+cpu
-        return spec
-    return spec & SpecifierSet(f"=={local}")
+
+def locked_version(pins: dict[str, Version], req: Requirement, needed_by: str, lock: Path) -> Version:
+    """The lock's version of ``req``; an error when the lock lacks it or pins one ``req`` excludes."""
+    name = canonicalize_name(req.name)
+    if name not in pins:
+        die(f"{name} (needed by {needed_by} on the target) is not in {lock}; regenerate the lock with "
+            f"python launch/lock.py in a venv that has it")
+    if not req.specifier.contains(pins[name], prereleases=True):
+        die(f"{lock} pins {name}=={pins[name]} but {needed_by} needs {name}{req.specifier}; regenerate the lock")
+    return pins[name]
 
 
-def fetch(out: Path, reqs: dict[str, SpecifierSet], python_version: str, platforms: list[str],
-          allowed: set[str], tmp: Path, prefer_local: bool = True) -> dict[str, Path]:
-    """Make sure a wheel for every requirement is in ``out``; return name -> wheel."""
-    got, missing = {}, {}
-    for name, spec in reqs.items():
-        w = find_wheel(out, name, _prefer_local(name, spec, prefer_local), allowed) or \
-            (None if prefer_local else find_wheel(out, name, spec, allowed))
-        if w is not None:  # already in the wheelhouse: re-runs are cheap
-            got[name] = w
-        else:
-            missing[name] = spec
-    if missing:
-        base = ["download", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
-                "--implementation", "cp", "-d", str(out)]
-        for p in platforms:
-            base += ["--platform", p]
-        specs = [f"{n}{_prefer_local(n, s, prefer_local)}" for n, s in missing.items()]
-        log(f"download {' '.join(specs)}")
-        r = run_pip(base + specs)
-        if r.returncode != 0 and prefer_local:  # a local version may lack a wheel for the target
-            pinned = [n for n, s in missing.items() if str(_prefer_local(n, s, True)) != str(s)]
-            for n in pinned:
-                if run_pip(base + [f"{n}{_prefer_local(n, missing[n], True)}"]).returncode != 0:
-                    log(f"{n}: the version installed here has no wheel for the target; taking the newest")
-            r = run_pip(base + [f"{n}{s}" for n, s in missing.items()
-                                if find_wheel(out, n, s, allowed) is None])
-        failed = list(missing) if r.returncode != 0 else []
-        if failed and len(missing) > 1:  # find which ones have no wheel
-            failed = [n for n, s in missing.items() if run_pip(base + [f"{n}{s}"]).returncode != 0]
-        for name in failed:
-            spec = missing[name]
-            log(f"{name}{spec}: no wheel for the target, building one from source")
-            r2 = run_pip(["wheel", "--no-deps", "--no-binary", name, "-w", str(tmp), f"{name}{spec}"])
-            built = [f for f in tmp.glob("*.whl") if parse_wheel_filename(f.name)[0] == name]
-            if r2.returncode != 0 or not built:
-                die(f"no wheel of {name}{spec} for Python {python_version} / {platforms[0]}, and building "
-                    f"one failed:\n{(r.stderr or r2.stderr)[-1500:]}")
-            tags = {str(t) for t in parse_wheel_filename(built[0].name)[3]}
-            if not any(t.endswith("-none-any") for t in tags):
-                die(f"{name}{spec} has no wheel for the target and is not pure Python ({built[0].name})")
-            shutil.move(str(built[0]), out / built[0].name)
-        for name, spec in missing.items():
-            w = find_wheel(out, name, spec, allowed)
-            if w is None:
-                die(f"pip did not provide a wheel of {name}{spec} for the target")
-            got[name] = w
-    return got
+def fetch(out: Path, name: str, version: Version, python_version: str, platforms: list[str], allowed: set[str],
+          tmp: Path) -> Path:
+    """The target's wheel of ``name==version`` in ``out``: already there, downloaded, or built (pure Python)."""
+    spec = SpecifierSet(f"=={version}")
+    w = find_wheel(out, name, spec, allowed)
+    if w is not None:  # re-runs are cheap
+        return w
+    cmd = ["download", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
+           "--implementation", "cp", "-d", str(out)]
+    for p in platforms:
+        cmd += ["--platform", p]
+    log(f"download {name}=={version}")
+    r = run_pip(cmd + [f"{name}=={version}"])
+    if r.returncode != 0:
+        log(f"{name}=={version}: no wheel for the target, building one from source")
+        r2 = run_pip(["wheel", "--no-deps", "--no-binary", name, "-w", str(tmp), f"{name}=={version}"])
+        built = [f for f in tmp.glob("*.whl") if parse_wheel_filename(f.name)[0] == name]
+        if r2.returncode != 0 or not built:
+            die(f"no wheel of {name}=={version} for Python {python_version} / {platforms[0]}, and building one "
+                f"failed:\n{(r.stderr or r2.stderr)[-1500:]}")
+        tags = {str(t) for t in parse_wheel_filename(built[0].name)[3]}
+        if not any(t.endswith("-none-any") for t in tags):
+            die(f"{name}=={version} has no wheel for the target and is not pure Python ({built[0].name})")
+        shutil.move(str(built[0]), out / built[0].name)
+    w = find_wheel(out, name, spec, allowed)
+    if w is None:
+        die(f"pip did not provide a wheel of {name}=={version} for the target")
+    return w
 
 
 def main(argv=None) -> int:
@@ -253,12 +240,11 @@ def main(argv=None) -> int:
     ap.add_argument("--python-version", required=True, help="target interpreter, e.g. 3.12")
     ap.add_argument("--platform", required=True, help="target platform tag, e.g. manylinux_2_28_x86_64")
     ap.add_argument("--out", required=True, help="wheelhouse folder (created; other wheels in it are removed)")
-    ap.add_argument("--extras", default="", help="k3train extras to include, comma separated (e.g. bench,dev)")
+    ap.add_argument("--extras", default="", help="k3train extras to include, comma separated (e.g. dev); their "
+                                                 "packages must be in the lock")
     ap.add_argument("--exclude", default="", help="more packages the target already has (comma separated, globs)")
     ap.add_argument("--no-default-excludes", action="store_true", help=f"do not exclude {', '.join(DEFAULT_EXCLUDES)}")
-    ap.add_argument("--newest", action="store_true",
-                    help="take the newest versions allowed; by default a dependency installed in the running "
-                         "environment (the one the CPU tests use) keeps that version when it has a target wheel")
+    ap.add_argument("--lock", default=str(DEFAULT_LOCK), help="the pinned versions (default: %(default)s)")
     ap.add_argument("--keep-other-wheels", action="store_true", help="do not remove unrelated wheels from --out")
     args = ap.parse_args(argv)
 
@@ -286,35 +272,27 @@ def main(argv=None) -> int:
         if unknown:
             die(f"unknown extra(s) {', '.join(sorted(unknown))}; k3train has: {', '.join(sorted(opt))}")
 
-    specs: dict[str, SpecifierSet] = {}
+    lock = Path(args.lock).expanduser().resolve()
+    pins = read_lock(lock)
     wants_extras: dict[str, set[str]] = {}
     skipped: set[str] = set()
     chosen: dict[str, Path] = {}
-    pending = [r for r in wheel_requires(k3) if wanted(r, env, extras)]
+    pending = [(r, "k3train") for r in wheel_requires(k3) if wanted(r, env, extras)]
     with tempfile.TemporaryDirectory(prefix="wheelhouse-build-") as tmpdir:
-        for _ in range(MAX_ROUNDS):
-            if not pending:
-                break
-            refetch, expand = set(), set()
-            for req in pending:
-                name = canonicalize_name(req.name)
-                if excluded(name, patterns):
-                    skipped.add(name)
-                    continue
-                specs[name] = specs.get(name, SpecifierSet()) & req.specifier
-                new_extras = set(req.extras) - wants_extras.setdefault(name, set())
-                wants_extras[name] |= new_extras
-                if name not in chosen or not specs[name].contains(_version(chosen[name]), prereleases=True):
-                    refetch.add(name)
-                elif new_extras:
-                    expand.add(name)
-            if refetch:
-                chosen.update(fetch(out, {n: specs[n] for n in sorted(refetch)}, args.python_version, platforms,
-                                    allowed, Path(tmpdir), prefer_local=not args.newest))
-            pending = [r for n in sorted(refetch | expand) for r in wheel_requires(chosen[n])
-                       if wanted(r, env, wants_extras[n])]
-        else:
-            die(f"dependency walk did not settle after {MAX_ROUNDS} rounds")
+        while pending:
+            req, needed_by = pending.pop()
+            name = canonicalize_name(req.name)
+            if excluded(name, patterns):
+                skipped.add(name)
+                continue
+            version = locked_version(pins, req, needed_by, lock)
+            new_extras = set(req.extras) - wants_extras.get(name, set())
+            if name in chosen and not new_extras:
+                continue
+            wants_extras[name] = wants_extras.get(name, set()) | new_extras
+            if name not in chosen:
+                chosen[name] = fetch(out, name, version, args.python_version, platforms, allowed, Path(tmpdir))
+            pending += [(r, name) for r in wheel_requires(chosen[name]) if wanted(r, env, wants_extras[name])]
 
     # The final set: the k3train wheel plus the chosen dependency wheels.
     final = {k3.name} | {w.name for w in chosen.values()}

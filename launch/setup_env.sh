@@ -12,6 +12,8 @@
 #                       "torch" requirement on CPU machines.
 #   K3_TORCH_INDEX_URL  extra index for that torch install, e.g. https://download.pytorch.org/whl/cpu
 #   K3_EXTRAS           extras of k3train to install       (default: dev; empty for none)
+#   K3_LOCK             pip constraints file: the tested versions (default: <repo>/requirements.lock;
+#                       empty: the newest versions pyproject.toml allows)
 #   K3_FORCE=1          reinstall even when the stamp matches
 #   K3_DRY_RUN=1        print what would be done, change nothing
 set -euo pipefail
@@ -20,6 +22,15 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$REPO/.venv}"
 K3_TORCH_SPEC="${K3_TORCH_SPEC:-torch==2.13.0}"
 K3_EXTRAS="${K3_EXTRAS-dev}"
+K3_LOCK="${K3_LOCK-$REPO/requirements.lock}"
+LOCK_ARGS=()
+if [ -n "$K3_LOCK" ]; then
+    if [ ! -f "$K3_LOCK" ]; then
+        echo "setup_env: error: K3_LOCK=$K3_LOCK does not exist (K3_LOCK= installs without a lock)" >&2
+        exit 2
+    fi
+    LOCK_ARGS=(-c "$K3_LOCK")
+fi
 STAMP="$VENV/.k3train-setup.stamp"
 
 say() { echo "[setup_env] $*"; }
@@ -57,10 +68,10 @@ VPY="$VENV/bin/python"
 
 # 2. Skip when nothing changed (and the packages are still importable from outside the repo).
 CHECK='import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ("k3train", "torch", "megatron.core", "hydra")))'
-HASH="$(cat "$REPO/pyproject.toml" | sha256sum | cut -c1-16)-${K3_EXTRAS}-${K3_TORCH_SPEC}"
+HASH="$(cat "$REPO/pyproject.toml" ${K3_LOCK:+"$K3_LOCK"} | sha256sum | cut -c1-16)-${K3_EXTRAS}-${K3_TORCH_SPEC}"
 if [ "${K3_FORCE:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ] \
         && (cd / && "$VPY" -c "$CHECK" >/dev/null 2>&1); then
-    say "up to date (pyproject.toml unchanged since the last install; K3_FORCE=1 reinstalls)"
+    say "up to date (pyproject.toml and the lock unchanged since the last install; K3_FORCE=1 reinstalls)"
     exit 0
 fi
 
@@ -70,12 +81,12 @@ if [ "${K3_DRY_RUN:-0}" != 1 ] && (cd / && "$VPY" -c 'import importlib.util as u
 else
     extra=()
     if [ -n "${K3_TORCH_INDEX_URL:-}" ]; then extra=(--extra-index-url "$K3_TORCH_INDEX_URL"); fi
-    run "$VPY" -m pip install ${extra[@]+"${extra[@]}"} "$K3_TORCH_SPEC"
+    run "$VPY" -m pip install ${extra[@]+"${extra[@]}"} "$K3_TORCH_SPEC" ${LOCK_ARGS[@]+"${LOCK_ARGS[@]}"}
 fi
 
-# 4. k3train itself, editable, with its extras.
+# 4. k3train itself, editable, with its extras, at the locked versions.
 if [ -n "$K3_EXTRAS" ]; then TARGET="$REPO[$K3_EXTRAS]"; else TARGET="$REPO"; fi
-run "$VPY" -m pip install -e "$TARGET"
+run "$VPY" -m pip install -e "$TARGET" ${LOCK_ARGS[@]+"${LOCK_ARGS[@]}"}
 
 if [ "${K3_DRY_RUN:-0}" != 1 ]; then
     (cd / && "$VPY" -c "$CHECK") || { echo "setup_env: error: k3train, torch, megatron-core or hydra is not importable after the install" >&2; exit 1; }

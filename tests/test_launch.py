@@ -75,7 +75,13 @@ def test_setup_env_dry_run(tmp_path):
     r = _run([str(LAUNCH / "setup_env.sh")], {"VENV": str(venv), "K3_DRY_RUN": "1"})
     assert r.returncode == 0, r.stderr
     assert "-m venv" in r.stdout and "pip install torch==2.13.0" in r.stdout and f"pip install -e {REPO}[dev]" in r.stdout
+    lock = f"-c {REPO / 'requirements.lock'}"
+    assert all(lock in line for line in r.stdout.splitlines() if "pip install" in line), r.stdout
     assert not venv.exists()
+    r = _run([str(LAUNCH / "setup_env.sh")], {"VENV": str(venv), "K3_DRY_RUN": "1", "K3_LOCK": ""})
+    assert r.returncode == 0 and "pip install" in r.stdout and " -c " not in r.stdout, r.stdout
+    r = _run([str(LAUNCH / "setup_env.sh")], {"VENV": str(venv), "K3_DRY_RUN": "1", "K3_LOCK": str(tmp_path / "no")})
+    assert r.returncode == 2 and "K3_LOCK" in r.stderr
     (tmp_path / "broken").mkdir()
     r = _run([str(LAUNCH / "setup_env.sh")], {"VENV": str(tmp_path / "broken")})
     assert r.returncode == 2 and "has no bin/python" in r.stderr
@@ -108,6 +114,82 @@ def test_wheelhouse_helpers():
     assert not wh.wanted(Requirement('x; extra == "bench"'), env, set())
 
 
+def test_lock_is_the_installed_dependency_set():
+    """requirements.lock pins k3train's dependencies at the versions installed here (where the tests run)."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    spec = importlib.util.spec_from_file_location("lock", LAUNCH / "lock.py")
+    lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock)
+    pins = _wheelhouse_module().read_lock(REPO / "requirements.lock")
+    assert {"megatron-core", "torch", "hydra-core", "antlr4-python3-runtime", "pytest"} <= set(pins)
+    assert not {"pip", "setuptools", "k3train"} & set(pins)
+    reached, _ = lock.closure(lock.installed())
+    for name, version in pins.items():
+        assert name in reached, f"{name} is pinned but k3train does not depend on it"
+        assert Version(Version(metadata.version(name)).public) == version, (name, metadata.version(name), version)
+
+
+def test_wheelhouse_lock_errors(tmp_path):
+    from packaging.requirements import Requirement
+
+    wh = _wheelhouse_module()
+    good = tmp_path / "good.lock"
+    good.write_text("# comment\nMegatron_Core==0.16.1  # pinned\n\nnumpy==2.4.6\n")
+    pins = wh.read_lock(good)
+    assert {n: str(v) for n, v in pins.items()} == {"megatron-core": "0.16.1", "numpy": "2.4.6"}
+    assert str(wh.locked_version(pins, Requirement("megatron-core>=0.16,<0.20"), "k3train", good)) == "0.16.1"
+    for req in ("megatron-core>=0.17", "safetensors"):  # excluded by the requirement, not pinned
+        with pytest.raises(SystemExit):
+            wh.locked_version(pins, Requirement(req), "k3train", good)
+    bad = tmp_path / "bad.lock"
+    bad.write_text("numpy>=2\n")
+    with pytest.raises(SystemExit):
+        wh.read_lock(bad)
+
+
+def _fake_wheel(folder: Path, name: str, version: str, requires: list[str], extras: tuple[str, ...] = ()) -> Path:
+    import zipfile
+
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    meta = [f"Name: {name}", f"Version: {version}", *(f"Provides-Extra: {e}" for e in extras),
+            *(f"Requires-Dist: {r}" for r in requires)]
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", "Metadata-Version: 2.1\n" + "\n".join(meta) + "\n")
+    return path
+
+
+def test_wheelhouse_takes_the_locked_versions(tmp_path, monkeypatch, capsys):
+    """The walk, offline: wheels already in --out are used as pip would download them. Locked versions
+    only (a newer wheel in --out is ignored), extras followed, torch and what only torch needs left out."""
+    wh = _wheelhouse_module()
+    out = tmp_path / "wh"
+    out.mkdir()
+    k3 = _fake_wheel(out, "k3train", "0.1.0", ["alpha>=1", "torch>=2.6", 'gamma; python_version < "3.0"'])
+    _fake_wheel(out, "alpha", "1.2", ["beta[fast]"])
+    _fake_wheel(out, "alpha", "1.5", [])  # newer, not the locked one
+    _fake_wheel(out, "beta", "2.0", ['delta; extra == "fast"'], extras=("fast",))
+    _fake_wheel(out, "delta", "0.3", [])
+    _fake_wheel(out, "stale", "9.9", [])
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("alpha==1.2\nbeta==2.0\ndelta==0.3\nsympy==1.14.0\n")
+    monkeypatch.setattr(wh, "build_k3train_wheel", lambda _out: k3)
+    assert wh.main(["--python-version", "3.12", "--platform", "manylinux_2_28_x86_64", "--out", str(out),
+                    "--lock", str(lock)]) == 0
+    assert (out / "requirements.txt").read_text().split() == ["alpha==1.2", "beta==2.0", "delta==0.3"]
+    assert sorted(p.name for p in out.glob("*.whl")) == [
+        "alpha-1.2-py3-none-any.whl", "beta-2.0-py3-none-any.whl", "delta-0.3-py3-none-any.whl",
+        "k3train-0.1.0-py3-none-any.whl"]
+    assert "excluded (the target must have them): torch" in capsys.readouterr().out
+    lock.write_text("alpha==1.2\nbeta==2.0\n")  # delta missing: an error naming it and its dependent
+    with pytest.raises(SystemExit):
+        wh.main(["--python-version", "3.12", "--platform", "manylinux_2_28_x86_64", "--out", str(out),
+                 "--lock", str(lock)])
+    assert "delta (needed by beta" in capsys.readouterr().err
+
+
 def test_wheelhouse_help_and_bad_args():
     r = _run([sys.executable, str(LAUNCH / "build_wheelhouse.py"), "--help"])
     assert r.returncode == 0 and "--python-version" in r.stdout and "--exclude" in r.stdout
@@ -130,5 +212,5 @@ def test_wheelhouse_builds_for_python312(tmp_path):
     assert any(n.startswith("megatron_core-") and "cp312" in n for n in names)
     assert any(n.startswith("antlr4_python3_runtime-") and n.endswith("none-any.whl") for n in names)
     assert not any(n.startswith(("torch-", "triton-", "nvidia_")) for n in names)
-    assert "megatron-core==" in (out / "requirements.txt").read_text()
+    assert "megatron-core==0.16.1" in (out / "requirements.txt").read_text()  # the lock's version
     assert sum(p.stat().st_size for p in out.glob("*.whl")) < 64 * 2**20

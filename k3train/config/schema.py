@@ -173,6 +173,12 @@ class TrainConfig:
     loss_spike_factor: float = 0.0
     loss_spike_window: int = 20
     loss_spike_action: str = "skip"  # "skip" the step, or "stop" the run
+    # Write checkpoints in a background process while training goes on; ``latest`` moves once the files are complete.
+    async_save: bool = False
+    # A collective that waits longer than this (a hung or lost rank) fails the run instead of hanging it.
+    collective_timeout_s: float = 600.0
+    # [first, last] steps (1-based, inclusive) to trace with torch.profiler into <out_dir>/profile; [] = off.
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass

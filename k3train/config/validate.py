@@ -153,6 +153,12 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(t.loss_spike_window >= 1, f"train.loss_spike_window={t.loss_spike_window} must be >= 1")
     _need(t.loss_spike_action in ("skip", "stop"),
           f"train.loss_spike_action={t.loss_spike_action!r}: use skip or stop")
+    _need(t.collective_timeout_s > 0, f"train.collective_timeout_s={t.collective_timeout_s} must be positive "
+                                      f"(seconds a collective may wait, e.g. 600)")
+    ps = list(t.profile_steps)
+    _need(not ps or (len(ps) == 2 and 1 <= ps[0] <= ps[1] <= t.steps),
+          f"train.profile_steps={ps} must be [] (off) or [first, last] with 1 <= first <= last <= train.steps="
+          f"{t.steps}, e.g. [5,7]")
 
     d = cfg.data
     _need(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")

@@ -357,7 +357,17 @@ class K3Muon(torch.optim.Optimizer):
             "muon_params": len(items),
             "ns_blocks_total": sum(b.num_blocks for b in buckets),
             "ns_blocks_local": self._ns_blocks_local,
+            "update_rms": self._update_rms(items),
         }
+
+    @staticmethod
+    def _update_rms(items: list[_Item]) -> torch.Tensor:
+        """RMS of the step's Muon updates before the learning rate, over all elements of this rank's
+        Muon parameters: sqrt(sum_p ||0.2 sqrt(max(m, n)) NS(u_p)||^2 / sum_p numel(p)), about 0.2 by
+        construction (the AdamW-matched scale). A 0-d tensor on the parameters' device (no host sync)."""
+        norms = torch._foreach_norm([it.update for it in items])
+        total = torch.stack([n.float() for n in norms]).square().sum()
+        return (total / sum(it.update.numel() for it in items)).sqrt()
 
     @staticmethod
     def _nesterov(it: _Item) -> torch.Tensor:

@@ -10,7 +10,9 @@ What is saved:
 
 Layout: ``<run>/checkpoints/step_00000010/``; ``<run>/checkpoints/latest`` names the newest.
 Writes are atomic: a temporary directory is filled, renamed, and only then is ``latest``
-replaced, so a crash at any point leaves the previous checkpoint intact.
+replaced, so a crash at any point leaves the previous checkpoint intact. The shards are written by a
+``CheckpointWriter`` (``k3train.training.checkpoint_writer``): in the call, or in the background with
+``train.async_save`` (then the rename and ``latest`` wait for the writer).
 Each checkpoint holds ``checksums.json`` (``k3train.training.integrity``), checked before a resume.
 """
 
@@ -20,6 +22,7 @@ import dataclasses
 import os
 import random
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,7 @@ from k3train.config.schema import ModelConfig
 from k3train.model.roles import get_role
 from k3train.parallel.checkpoint_io import save_strategy
 from k3train.parallel.state import ParallelGroups
+from k3train.training.checkpoint_writer import CheckpointWriter, use_in_process_results_queue
 from k3train.training.threads import single_intra_op_thread
 
 LATEST = "latest"
@@ -132,12 +136,17 @@ def _state_dict(model, optimizer, groups, extra: dict, template: bool) -> dict:
 @single_intra_op_thread()
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler, data_state: dict, groups: ParallelGroups, model_cfg: ModelConfig,
-                    trainer_state: dict | None = None, keep_last: int = 0) -> Path:
+                    trainer_state: dict | None = None, keep_last: int = 0,
+                    writer: CheckpointWriter | None = None) -> Path:
+    """Write step ``step`` (collective). With an asynchronous ``writer`` the shards are written in the
+    background and the checkpoint is published (checksums, rename, ``latest``) by ``writer.finalize()``."""
     from megatron.core import dist_checkpointing
 
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / f"step_{step:08d}"
     tmp = ckpt_root / f".tmp_step_{step:08d}"
+    writer = writer or CheckpointWriter()
+    writer.finalize()  # the previous save is published before this one starts
     if groups.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -156,12 +165,21 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         "optimizer_other": {names[id(params[i])]: v for i, v in opt_other.items()},
         "optimizer_param_groups": opt_sd["param_groups"],
     }
-    dist_checkpointing.save(_state_dict(model, optimizer, groups, extra, template=False), str(tmp),
-                            sharded_strategy=save_strategy())
-    dist.barrier()
-    if groups.is_main:
+    use_in_process_results_queue()
+    request = dist_checkpointing.save(_state_dict(model, optimizer, groups, extra, template=False), str(tmp),
+                                      sharded_strategy=save_strategy(), async_sharded_save=True)
+    request.add_finalize_fn(partial(_publish, tmp, final, keep_last, groups.is_main))
+    writer.submit(request)
+    return final
+
+
+def _publish(tmp: Path, final: Path, keep_last: int, is_main: bool) -> None:
+    """Once every shard and the metadata are written (Megatron's last finalize step ends in a barrier):
+    checksums, rename into place, then ``latest`` (collective)."""
+    if is_main:
         from k3train.training.integrity import write_checksums
 
+        ckpt_root = final.parent
         write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -172,7 +190,6 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         if keep_last:
             prune_checkpoints(ckpt_root, keep_last)
     dist.barrier()
-    return final
 
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:

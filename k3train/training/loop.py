@@ -33,6 +33,9 @@ from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.parallel.data_parallel import average_gradients, clip_gradients, global_grad_norm
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
 from k3train.training.checkpoint import load_checkpoint, save_checkpoint
+from k3train.training.checkpoint_writer import CheckpointWriter
+from k3train.training.collective_timeout import set_collective_timeout
+from k3train.training.profiling import PhaseTimer, StepProfiler
 from k3train.training.flops import peak_flops, train_flops_per_token
 from k3train.training.guards import StepGuard, TrainingStopped
 from k3train.training.integrity import resume_checkpoint
@@ -62,6 +65,11 @@ class Trainer:
         t = cfg.train
         self.device = pick_device(t.device)
         self.groups: ParallelGroups = init_parallel(cfg.parallel, self.device)
+        g = self.groups
+        if g.world_size > 1:
+            set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp, g.cp, g.dp_cp], t.collective_timeout_s)
+        self.writer = CheckpointWriter(asynchronous=t.async_save)
+        self.profiler = StepProfiler(Path(t.out_dir), list(t.profile_steps), self.device, self.groups.rank)
         self.run_dir = Path(t.out_dir)
         self.lock = RunDirLock(self.run_dir)
         self._claim_run_dir()
@@ -179,43 +187,69 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         moe = self.model.moe_layers()
         qb_window = self.n_micro // self.cfg.model.qb_updates_per_step
+        step = self.step + 1
+        timer = PhaseTimer(self.device, synchronize=self._is_log_step(step) or self.profiler.active(step),
+                           label=self.profiler.active(step))
         for micro in range(1, self.n_micro + 1):
-            loss = self._forward(next(self.train_iter))
-            (loss / self.n_micro).backward()
-            loss_sum += loss.detach()
+            with timer("data"):
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_iter).items()}
+            with timer("fwd_bwd"):
+                loss = self._forward(batch)
+                (loss / self.n_micro).backward()
+                loss_sum += loss.detach()
             if micro % qb_window == 0 and micro < self.n_micro:
-                for layer in moe:  # Quantile Balancing within the step (model.qb_updates_per_step)
-                    layer.update_bias(self.groups.dp_cp, after_optimizer_step=False)
-        average_gradients(self.params, self.groups)
-        grad_norm = global_grad_norm(self.params, self.groups)
+                with timer("optimizer"):
+                    for layer in moe:  # Quantile Balancing within the step (model.qb_updates_per_step)
+                        layer.update_bias(self.groups.dp_cp, after_optimizer_step=False)
+        with timer("comm"):
+            average_gradients(self.params, self.groups)
+            grad_norm = global_grad_norm(self.params, self.groups)
+            if self.groups.dp_cp_size > 1:  # the guard needs the step's loss, the same on every rank, before the update
+                dist.all_reduce(loss_sum, group=self.groups.dp_cp)
+                loss_sum /= self.groups.dp_cp_size
         clip_gradients(self.params, self.cfg.optim.grad_clip, grad_norm)
-        if self.groups.dp_cp_size > 1:  # the guard needs the step's loss, the same on every rank, before the update
-            dist.all_reduce(loss_sum, group=self.groups.dp_cp)
-            loss_sum /= self.groups.dp_cp_size
         loss_value = float(loss_sum / self.n_micro)
         skip_reason = self.guard.check(loss_value, float(grad_norm))
         skipped = skip_reason is not None
-        if not skipped:
-            self.optimizer.step()
-        self.scheduler.step()
-        for layer in moe:
-            layer.update_bias(self.groups.dp_cp)
-        if self.cfg.optim.qk_clip_tau and not skipped:
-            from k3train.optim.qk_clip import apply_qk_clip
+        qk_clip = None
+        with timer("optimizer"):
+            if not skipped:
+                self.optimizer.step()
+            self.scheduler.step()
+            for layer in moe:
+                layer.update_bias(self.groups.dp_cp)
+            if self.cfg.optim.qk_clip_tau and not skipped:
+                from k3train.optim.qk_clip import apply_qk_clip
 
-            apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp_cp)
+                qk_clip = apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp_cp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         achieved = tokens * self.flops_per_token / elapsed / max(1, self.groups.world_size)
         return {
-            "kind": "train", "step": self.step + 1, "loss": loss_value,
+            "kind": "train", "step": step, "loss": loss_value,
             "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
             "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe),
+            **self._optimizer_metrics(skipped, qk_clip), **timer.record(),
         }
+
+    def _is_log_step(self, step: int) -> bool:
+        return step % self.cfg.train.log_every == 0 or step in (1, self.cfg.train.steps)
+
+    def _optimizer_metrics(self, skipped: bool, qk_clip: dict | None) -> dict:
+        """Muon's update RMS (before the LR; ~0.2 by design) and QK-clip's heads clipped this step and the
+        largest attention logit before the clip (over DP, all MLA layers)."""
+        out = {}
+        info = getattr(self.optimizer, "last_step_info", None)
+        if info and "update_rms" in info and not skipped and not self.optimizer.last_step_skipped:
+            out["muon_update_rms"] = float(info["update_rms"])
+        if qk_clip is not None:
+            out["qk_clip_heads"] = qk_clip["num_clipped_heads"]
+            out["qk_max_logit"] = qk_clip["max_logit"] if abs(qk_clip["max_logit"]) != float("inf") else None
+        return out
 
     def _expert_load(self, moe: list) -> dict:
         """Per-layer expert load of the step, pooled over micro-batches and DP×CP ranks (one all-reduce
@@ -264,20 +298,21 @@ class Trainer:
             losses /= g.dp_cp_size
         return float(losses)
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any (so all ranks save and stop together)."""
-        if self.groups.world_size == 1:
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+    def _any_rank(self, *flags: bool):
+        """Each flag true on every rank when it is true on any (so all ranks save and stop together);
+        one all-reduce for all of them. One flag gives a bool, several a tuple."""
+        if self.groups.world_size > 1:
+            t = torch.tensor([int(f) for f in flags], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flags = tuple(bool(v) for v in t.tolist())
+        return flags[0] if len(flags) == 1 else tuple(flags)
 
     # --- the run -----------------------------------------------------------------------------
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                         self.train_iter.state_dict(), self.groups, self.cfg.model,
                         trainer_state={"guard": self.guard.state_dict(), "config": dataclasses.asdict(self.cfg)},
-                        keep_last=self.cfg.train.keep_last)
+                        keep_last=self.cfg.train.keep_last, writer=self.writer)
 
     def _save_if_healthy(self, final: bool) -> bool:
         """Checkpoint unless the run is inside a streak of skipped steps (then ``latest`` stays put);
@@ -308,27 +343,39 @@ class Trainer:
         deadline = time.monotonic() + 60 * t.exit_after_minutes if t.exit_after_minutes else None
         try:
             while self.step < last:
+                self.profiler.before_step(self.step + 1)
                 record = self.train_step()
+                self.profiler.after_step(self.step + 1)
                 self.step += 1
                 try:  # raises TrainingStopped when the run cannot go on
                     self.guard.update(self.step, record["skip_reason"], record["loss"])
                 finally:  # every skipped step is logged
                     record["consecutive_skips"] = self.guard.consecutive
-                    if record["skipped"] or self.step % t.log_every == 0 or self.step in (1, t.steps):
+                    if record["skipped"] or self._is_log_step(self.step):
                         self.logger.log(record)
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                     val = {"kind": "eval", "step": self.step, "val_loss": self.evaluate()}
                     self.logger.log(val)
                 if deadline is not None and time.monotonic() >= deadline and not stop["now"]:
                     stop.update(now=True, name=f"train.exit_after_minutes={t.exit_after_minutes:g}")
-                stop_now = self._any_rank(stop["now"])
+                # An async checkpoint is published once every rank's writer is done (same all-reduce).
+                stop_now, writing = self._any_rank(stop["now"], not self.writer.written())
+                if self.writer.pending and not writing:
+                    self.writer.finalize()
                 if (t.save_every and self.step % t.save_every == 0) or self.step == last or stop_now:
                     saved = self._save_if_healthy(final=self.step == last and not stop_now)
                 if stop_now:
+                    self.writer.finalize()
                     what = f"saved step {self.step}" if saved else "saved nothing (inside a streak of skipped steps)"
                     print(f"{stop['name'] or 'stop requested on another rank'}: {what} and stopped", flush=True)
                     break
+            self.writer.finalize()
+        except TrainingStopped:  # the same on every rank: the healthy checkpoint being written is published
+            self.writer.finalize()
+            raise
         finally:
+            self.writer.abort()  # only after an error: an unfinished async checkpoint is discarded
+            self.profiler.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.logger.close()

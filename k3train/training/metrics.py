@@ -101,6 +101,13 @@ def format_progress(r: dict, total_steps: int) -> str:
     parts.append(f"mem {r['peak_mem_gb']:.2f} GB")
     if r.get("expert_load_max_over_mean") is not None:
         parts.append(f"load max/mean {r['expert_load_max_over_mean']:.2f} (layer {r['expert_load_worst_layer']})")
+    if r.get("muon_update_rms") is not None:
+        parts.append(f"muon rms {r['muon_update_rms']:.3f}")
+    if r.get("qk_clip_heads"):
+        parts.append(f"qk-clip {r['qk_clip_heads']} heads")
+    if r.get("time_fwd_bwd_s") is not None:
+        parts.append("data/fwd+bwd/comm/opt " + "/".join(f"{1e3 * r[f'time_{p}_s']:.0f}" for p in
+                                                         ("data", "fwd_bwd", "comm", "optimizer")) + " ms")
     if r.get("skipped"):
         parts.append(f"SKIPPED ({r.get('skip_reason') or 'non-finite gradients'})")
     return " | ".join(parts)

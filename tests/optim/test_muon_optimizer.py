@@ -90,6 +90,25 @@ def test_per_head_whole_and_expert_updates_match_blockwise_reference():
     assert ((8, 16), 12) in opt.last_step_info["buckets"]  # q, k, v: 4 heads each
 
 
+def test_update_rms_is_the_rms_of_the_applied_muon_updates():
+    """last_step_info["update_rms"] equals the RMS of -delta/lr over all Muon parameters (wd=0), and is
+    about 0.2 (the AdamW-matched scale: 0.2 sqrt(max(m, n)) times a near-orthogonal block)."""
+    m = StandInModel(seed=int(torch.randint(0, 1000, ())))
+    m.double()
+    lr = 0.01
+    opt = build_muon(m.named_parameters(), cfg(lr=lr, weight_decay=0.0))
+    muon = {n: p for g in opt.param_groups if g["optimizer"] == "muon" for n, p in zip(g["names"], g["params"])}
+    for seed in (4, 5):  # the second step has momentum in it
+        before = {n: p.detach().clone() for n, p in muon.items()}
+        m.set_grads(seed)
+        opt.step()
+    squares = sum(((p.detach() - before[n]) / lr).square().sum() for n, p in muon.items())
+    expected = math.sqrt(float(squares) / sum(p.numel() for p in muon.values()))
+    got = float(opt.last_step_info["update_rms"])
+    assert abs(got - expected) < 1e-6 * expected, (got, expected)
+    assert 0.1 < got < 0.3, got
+
+
 def test_per_head_groups_config_switches_to_whole():
     m = StandInModel()
     opt = build_muon(m.named_parameters(), cfg(per_head_groups=[]))

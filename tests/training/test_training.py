@@ -1,6 +1,7 @@
 """End-to-end CPU runs of ``python -m k3train.train`` on k3_tiny and the embedded corpus.
 
-- 20 straight steps equal 10 steps, a resume, and 10 more: losses and final weights, bit-exact;
+- 20 straight steps equal 10 steps (checkpoints written with train.async_save), a resume, and 10 more:
+  losses and final weights, bit-exact;
 - the loss falls;
 - bad input gives a one-line error and leaves earlier checkpoints intact.
 """
@@ -27,7 +28,11 @@ def straight(tmp_path_factory):
 
 def test_resume_is_bit_exact(straight, tmp_path):
     resumed = tmp_path / "resumed"
-    train(resumed, "train.steps=20", "train.exit_after_steps=10", "train.save_every=0", "train.log_every=1")
+    # The first half writes its checkpoints asynchronously (train.async_save), the second synchronously.
+    train(resumed, "train.steps=20", "train.exit_after_steps=10", "train.save_every=5", "train.log_every=1",
+          "train.async_save=true")
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["latest", "step_00000005",
+                                                                          "step_00000010"]
     proc = train(resumed, "train.steps=20", "train.save_every=10", "train.log_every=1", "logging.console=true")
     assert "resumed from" in proc.stdout
     a, b = losses(straight), losses(resumed)

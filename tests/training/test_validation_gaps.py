@@ -17,6 +17,10 @@ from test_training_helpers import train
     (["train.max_consecutive_skips=-1"], ["train.max_consecutive_skips"]),
     (["train.loss_spike_factor=0.5"], ["train.loss_spike_factor"]),
     (["train.loss_spike_action=ignore"], ["train.loss_spike_action"]),
+    (["train.collective_timeout_s=0"], ["train.collective_timeout_s=0", "positive"]),
+    (["train.steps=10", "train.profile_steps=[3]"], ["train.profile_steps=[3]", "[first, last]"]),
+    (["train.steps=10", "train.profile_steps=[5,3]"], ["train.profile_steps=[5, 3]"]),
+    (["train.steps=10", "train.profile_steps=[9,11]"], ["train.profile_steps=[9, 11]", "train.steps=10"]),
 ])
 def test_invalid_settings_are_refused_at_start_up(overrides, needles):
     cfg = load_config(overrides)
@@ -30,7 +34,7 @@ def test_invalid_settings_are_refused_at_start_up(overrides, needles):
 
 def test_valid_settings_pass():
     validate(load_config(["train.eval_iters=0", "train.eval_every=0", "data.split='100,0,0'",
-                          "optim.weight_decay=0"]))
+                          "optim.weight_decay=0", "train.steps=10", "train.profile_steps=[10,10]"]))
 
 
 def test_unknown_key_is_refused_with_a_suggestion():
