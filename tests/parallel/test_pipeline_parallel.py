@@ -33,29 +33,43 @@ def _batches():
     return out
 
 
-def _pp_rank(rank: int, world: int, virtual: int, layout: list[int], out_path: str) -> None:
+CASES = [(1, [5, 4]), (2, [3, 2, 2, 2]), (1, [0, 9])]
+
+
+def _pp_rank(rank: int, world: int, out_path: str) -> None:
+    """Every case in one pair of processes (a spawn costs more than the cases)."""
     from k3train.parallel.pipeline.layout import build_chunks
     from k3train.parallel.pipeline.runtime import PipelineSchedule
     from k3train.parallel.pipeline.stage import keep_stage
     from k3train.parallel.state import init_parallel
 
-    groups = init_parallel(ParallelConfig(pipeline=2, virtual_stages=virtual, pipeline_layout=layout),
-                           torch.device("cpu"))
     cfg = ModelConfig()
-    chunks = build_chunks(cfg.num_layers, 2, virtual, layout)
-    torch.manual_seed(SEED)
-    model = keep_stage(K3Model(cfg, groups), chunks, groups.pp_rank)
-    schedule = PipelineSchedule(model, chunks, groups.pp, torch.device("cpu"))
-    schedule.channels.bytes_sent = 0  # count the step's messages only
-    loss_sum = schedule.train(_batches())
-    eval_loss = schedule.evaluate(_batches())
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    torch.save({"loss_sum": loss_sum, "eval": eval_loss, "grads": grads, "bytes": schedule.channels.bytes_sent,
-                "plan": schedule.plan}, f"{out_path}.{rank}")
+    results = []
+    for virtual, layout in CASES:
+        groups = init_parallel(ParallelConfig(pipeline=2, virtual_stages=virtual, pipeline_layout=layout),
+                               torch.device("cpu"))
+        chunks = build_chunks(cfg.num_layers, 2, virtual, layout)
+        torch.manual_seed(SEED)
+        model = keep_stage(K3Model(cfg, groups), chunks, groups.pp_rank)
+        schedule = PipelineSchedule(model, chunks, groups.pp, torch.device("cpu"))
+        schedule.channels.bytes_sent = 0  # count the step's messages only
+        loss_sum = schedule.train(_batches())
+        eval_loss = schedule.evaluate(_batches())
+        results.append({"loss_sum": loss_sum, "eval": eval_loss, "bytes": schedule.channels.bytes_sent,
+                        "grads": {n: p.grad for n, p in model.named_parameters()}, "plan": schedule.plan})
+    torch.save(results, f"{out_path}.{rank}")
 
 
-@pytest.mark.parametrize("virtual,layout", [(1, [5, 4]), (2, [3, 2, 2, 2]), (1, [0, 9])])
-def test_pipeline_matches_one_rank(tmp_path, virtual, layout):
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp") / "pp"
+    run_ranks(2, _pp_rank, str(out))
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"V{v}-{layout}" for v, layout in CASES])
+def test_pipeline_matches_one_rank(pp_runs, case):
+    virtual, layout = CASES[case]
     torch.manual_seed(SEED)
     ref = K3Model(ModelConfig())
     ref_losses = []
@@ -67,9 +81,7 @@ def test_pipeline_matches_one_rank(tmp_path, virtual, layout):
     for loss in ref_losses:
         ref_sum += loss
 
-    out = tmp_path / "pp"
-    run_ranks(2, _pp_rank, virtual, layout, str(out))
-    got = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    got = [pp_runs[r][case] for r in range(2)]
 
     for g in got:  # the step's loss is reported the same on every stage
         assert torch.allclose(g["loss_sum"], ref_sum, rtol=1e-6, atol=0), (g["loss_sum"], ref_sum)

@@ -2,9 +2,10 @@
 
 test_pipeline_parallel.py holds one step's loss and every gradient to 1e-5; over a run the stages
 only change fp32 summation order (gradients of rows that several chunks read add up in another
-order), which AdamW and top-k routing amplify as for TP2 (test_parallel_training.py). Measured on
-k3_tiny: PP2 (1F1B) and PP2×V2 match one rank to ≤ 1e-6 in loss and grad norm over all 6 steps;
-PP2×DP2×EP2 likewise within 1e-5. Held: steps 1–2 to 1e-5 (loss and grad norm), all 6 losses to 1e-3.
+order), which AdamW and top-k routing can amplify as for TP2 (test_parallel_training.py). Measured
+on k3_tiny: PP2 (1F1B, layout [5, 4]) matches one rank to 8e-8 in loss and 2.3e-7 in grad norm over
+all 6 steps (with identical per-layer expert loads). Held, as for TP2 and CP2: steps 1–2 to 1e-5
+(loss and grad norm), all 6 losses to 1e-3.
 
 Checkpoints reshard over the pipeline: the PP2×V2 run's step-3 checkpoint resumes on one rank,
 and the one-rank run's step-3 checkpoint resumes at PP2; the first resumed step equals the
