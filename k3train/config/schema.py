@@ -88,6 +88,13 @@ class ParallelConfig:
     context: int = 1
     expert: int = 1
     expert_tensor: int = 1
+    # Pipeline parallelism (docs/parallelism.md): the layers are cut into pipeline·virtual_stages chunks;
+    # stage p runs chunks p, p+P, p+2P, ... (interleaved 1F1B when virtual_stages > 1).
+    virtual_stages: int = 1
+    # Layers per chunk in pipeline order (pipeline·virtual_stages entries summing to model.num_layers;
+    # uneven is fine). A 0 first / last entry puts the embedding / the output head on a chunk of its own.
+    # Empty: equal chunks.
+    pipeline_layout: list[int] = field(default_factory=list)
     # MoE token dispatcher when expert > 1: "alltoall" (every token copy computed on its expert's
     # home rank) or "balanced" (replicas of hot experts: every rank computes the same load).
     ep_dispatcher: str = "alltoall"

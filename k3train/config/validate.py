@@ -11,6 +11,7 @@ import difflib
 import typing
 
 from k3train.config.schema import PRECISION_RECIPES, K3Config, ModelConfig
+from k3train.parallel.pipeline.layout import layout_error
 
 
 class ConfigError(ValueError):
@@ -94,8 +95,9 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(p.ep_dispatcher in ("alltoall", "balanced"),
           f"parallel.ep_dispatcher={p.ep_dispatcher!r}: use alltoall or balanced")
     validate_model(cfg.model, p.tensor, p.expert)
-    _need(p.pipeline == 1, f"parallel.pipeline={p.pipeline} is not supported by the training loop yet; "
-                           f"set parallel.pipeline=1")
+    _need(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
+    layout_problem = layout_error(cfg.model.num_layers, p.pipeline, p.virtual_stages, list(p.pipeline_layout))
+    _need(layout_problem is None, layout_problem or "")
     _need(p.expert_tensor == p.tensor, f"parallel.expert_tensor={p.expert_tensor} must equal parallel.tensor="
                                        f"{p.tensor} (routed experts are split like dense layers)")
     model_parallel = p.tensor * p.pipeline * p.context
@@ -136,6 +138,15 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(u >= 1 and n_micro % u == 0,
           f"model.qb_updates_per_step={u} must divide the {n_micro} micro-batches of a step (train.global_batch_"
           f"size / (train.micro_batch_size x data-parallel size {dp})); use a divisor of {n_micro}, e.g. 1")
+    if p.pipeline > 1:
+        _need(u == 1, f"model.qb_updates_per_step={u}: under parallel.pipeline={p.pipeline} the micro-batches of a "
+                      f"step interleave across stages, so Quantile Balancing updates once per step; set "
+                      f"model.qb_updates_per_step=1")
+        _need(p.virtual_stages == 1 or n_micro % p.pipeline == 0,
+              f"the {n_micro} micro-batches of a step (train.global_batch_size / (train.micro_batch_size x data-"
+              f"parallel size {dp})) are not a multiple of parallel.pipeline={p.pipeline}, which the interleaved "
+              f"schedule (parallel.virtual_stages={p.virtual_stages}) needs; make train.global_batch_size a multiple "
+              f"of {t.micro_batch_size * dp * p.pipeline} or set parallel.virtual_stages=1")
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     _need(t.eval_every >= 0 and t.save_every >= 0 and t.log_every > 0,
           "train.eval_every and train.save_every must be >= 0 (0 disables) and train.log_every > 0")

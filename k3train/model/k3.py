@@ -47,21 +47,23 @@ class K3Model(nn.Module):
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def documents(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> Documents:
         if position_ids is None:  # one document per row
             T = tokens.shape[1]
             index = torch.arange(T, device=tokens.device) if self.context is None else \
                 self.context.global_index(T, tokens.device)
             position_ids = index.expand_as(tokens)
         if self.context is None:
-            docs = Documents.from_position_ids(position_ids)
-        else:
-            docs = Documents.for_shard(position_ids, self.context)
-        partial = self.embed_tokens(tokens).float()
-        bank: list[torch.Tensor] = []
-        for layer in self.layers:
-            bank, partial = layer(bank, partial, docs)
+            return Documents.from_position_ids(position_ids)
+        return Documents.for_shard(position_ids, self.context)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first partial sum P = e, fp32 [B, T, d]."""
+        return self.embed_tokens(tokens).float()
+
+    def head(self, bank: list[torch.Tensor], partial: torch.Tensor, labels: torch.Tensor | None = None,
+             loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Output AttnRes over B ∪ [P], final norm, LM head; the mean token loss when labels are given."""
         h = self.norm(self.output_attn_res(bank + [partial]))
         logits = self.lm_head(h)
         if labels is None:
@@ -73,3 +75,12 @@ class K3Model(nn.Module):
         if self.context is not None:
             total, count = total * self.context.size, self.context.all_reduce_sum(count)
         return total / count.clamp(min=1)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        docs = self.documents(tokens, position_ids)
+        partial = self.embed(tokens)
+        bank: list[torch.Tensor] = []
+        for layer in self.layers:
+            bank, partial = layer(bank, partial, docs)
+        return self.head(bank, partial, labels, loss_mask)

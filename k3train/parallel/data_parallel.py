@@ -69,7 +69,8 @@ def average_gradients(params: list[nn.Parameter], groups: ParallelGroups, bucket
 
 def global_grad_norm(params: list[nn.Parameter], groups: ParallelGroups | None) -> torch.Tensor:
     """‖g‖₂ of the full model: squares of TP-sharded gradients are summed over TP ranks, of
-    expert-parallel ones over EP (and TP if also TP-sharded), replicated ones counted once."""
+    expert-parallel ones over EP (and TP if also TP-sharded), replicated ones counted once; the
+    stages' sums are added over PP."""
     device = params[0].device
     # squared sums by (expert-parallel, TP-sharded)
     sq = {key: torch.zeros((), device=device, dtype=torch.float32) for key in
@@ -87,7 +88,10 @@ def global_grad_norm(params: list[nn.Parameter], groups: ParallelGroups | None) 
     tp_sharded = sq[False, True] + expert[1]
     if groups is not None and groups.tp_size > 1:
         dist.all_reduce(tp_sharded, group=groups.tp)
-    return (tp_sharded + expert[0] + sq[False, False]).sqrt()
+    total = tp_sharded + expert[0] + sq[False, False]
+    if groups is not None and groups.pp_size > 1:  # pipeline stages hold disjoint parameters
+        dist.all_reduce(total, group=groups.pp)
+    return total.sqrt()
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -27,7 +27,8 @@ class ParallelGroups:
     ``dp_cp`` is their product: the ranks that hold the same dense weights, over which gradients,
     losses and statistics are reduced. Expert parallelism splits ``dp_cp``: ``ep`` holds the ranks
     that share out the experts (a token's copies go to them by all-to-all), and ``expert_dp`` the
-    ranks that hold the same experts (``dp_cp_size = ep_size · expert_dp_size``).
+    ranks that hold the same experts (``dp_cp_size = ep_size · expert_dp_size``). ``pp`` holds the
+    pipeline stages of one model replica (``k3train.parallel.pipeline``): they share no parameters.
     """
 
     tp: dist.ProcessGroup | None = None
@@ -50,6 +51,9 @@ class ParallelGroups:
     dp_cp: dist.ProcessGroup | None = None
     dp_cp_size: int = 1
     dp_cp_rank: int = 0
+    pp: dist.ProcessGroup | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -117,6 +121,9 @@ def init_parallel(cfg: ParallelConfig, device: torch.device) -> ParallelGroups:
         dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
         dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
         dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        pp=ps.get_pipeline_model_parallel_group(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
     )
 
 

@@ -95,6 +95,42 @@ def _optimizer_split(optimizer: torch.optim.Optimizer, names: dict[int, str]):
     return sd, params, tensors, other
 
 
+def _group_key(group: dict, index: int):
+    """A param group's identity across layouts: its name (Muon's groups), else its position."""
+    return group.get("group_name", index)
+
+
+def _optimizer_common(optimizer: torch.optim.Optimizer, names: dict[int, str], groups: ParallelGroups) -> dict:
+    """The optimizer's non-tensor state for the common state dict, merged over the pipeline stages
+    (each holds its own parameters): tensor keys, each parameter's group, its plain state, and the
+    groups' hyper-parameters by group key."""
+    opt_sd, params, opt_tensors, opt_other = _optimizer_split(optimizer, names)
+    local = {
+        "optimizer_tensor_keys": sorted(opt_tensors),
+        "optimizer_param_names": [names[id(p)] for p in params],
+        "optimizer_param_group_keys": {names[id(p)]: _group_key(g, i) for i, g in enumerate(optimizer.param_groups)
+                                       for p in g["params"]},
+        "optimizer_other": {names[id(params[i])]: v for i, v in opt_other.items()},
+        "optimizer_param_groups": opt_sd["param_groups"],
+    }
+    if groups.pp_size == 1:
+        return local
+    stages: list = [None] * groups.pp_size
+    dist.all_gather_object(stages, local, group=groups.pp)
+    merged = {"optimizer_tensor_keys": sorted({k for s in stages for k in s["optimizer_tensor_keys"]}),
+              "optimizer_param_names": [n for s in stages for n in s["optimizer_param_names"]],
+              "optimizer_param_group_keys": {}, "optimizer_other": {}, "optimizer_param_groups": []}
+    seen = set()
+    for stage in stages:
+        merged["optimizer_param_group_keys"].update(stage["optimizer_param_group_keys"])
+        merged["optimizer_other"].update(stage["optimizer_other"])
+        for i, g in enumerate(stage["optimizer_param_groups"]):
+            if _group_key(g, i) not in seen:
+                seen.add(_group_key(g, i))
+                merged["optimizer_param_groups"].append(g)
+    return merged
+
+
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
@@ -121,7 +157,8 @@ def _state_dict(model, optimizer, groups, extra: dict, template: bool) -> dict:
     if optimizer is not None:
         if template:
             keys = extra["optimizer_tensor_keys"]
-            opt_tensors = {(n, k): torch.empty_like(params_by_name[n]) for n, k in keys}
+            opt_tensors = {(n, k): torch.empty_like(params_by_name[n]) for n, k in keys
+                           if n in params_by_name}  # under PP: this stage's parameters
         else:
             _, _, opt_tensors, _ = _optimizer_split(optimizer, names)
         for (n, k), t in opt_tensors.items():
@@ -152,7 +189,6 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         tmp.mkdir(parents=True)
     dist.barrier()
     names = {id(p): n for n, p in model.named_parameters()}
-    opt_sd, params, opt_tensors, opt_other = _optimizer_split(optimizer, names)
     extra = {
         "step": step,
         "world_size": groups.world_size,
@@ -160,10 +196,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         "scheduler": scheduler.state_dict(),
         "data": data_state,
         "trainer_state": trainer_state or {},  # the trainer's own state (the step guard's loss history)
-        "optimizer_tensor_keys": sorted(opt_tensors),
-        "optimizer_param_names": [names[id(p)] for p in params],
-        "optimizer_other": {names[id(params[i])]: v for i, v in opt_other.items()},
-        "optimizer_param_groups": opt_sd["param_groups"],
+        **_optimizer_common(optimizer, names, groups),
     }
     use_in_process_results_queue()
     request = dist_checkpointing.save(_state_dict(model, optimizer, groups, extra, template=False), str(tmp),
@@ -272,16 +305,29 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             t.copy_(loaded[f"model.{n}"].view_as(t))
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    if order != common["optimizer_param_names"]:
+    saved_keys = common.get("optimizer_param_group_keys")
+    if saved_keys is None:  # written before pipeline parallelism: same layout or nothing
+        same = order == common["optimizer_param_names"]
+    else:  # every parameter of this stage in the same param group as when saved (any pipeline layout)
+        same = all(saved_keys.get(names[id(p)]) == _group_key(g, i)
+                   for i, g in enumerate(optimizer.param_groups) for p in g["params"])
+    if not same:
         raise CheckpointError(f"checkpoint {path} has a different optimizer parameter layout (optim.name or "
                               f"per-head config changed?); resume with the same optim config or train.resume=none")
     param_index = {n: i for i, n in enumerate(order)}
     state: dict = {}
     for n, k in common["optimizer_tensor_keys"]:
-        state.setdefault(param_index[n], {})[k] = loaded[f"optim.{n}.{k}"].view(tensors[n].shape)
+        if n in param_index:
+            state.setdefault(param_index[n], {})[k] = loaded[f"optim.{n}.{k}"].view(tensors[n].shape)
     for n, other in common["optimizer_other"].items():
-        state.setdefault(param_index[n], {}).update(other)
-    optimizer.load_state_dict({"state": state, "param_groups": common["optimizer_param_groups"]})
+        if n in param_index:
+            state.setdefault(param_index[n], {}).update(other)
+    saved_groups = {_group_key(g, i): g for i, g in enumerate(common["optimizer_param_groups"])}
+    param_groups = []  # the saved hyper-parameters over this stage's parameters
+    for i, g in enumerate(optimizer.state_dict()["param_groups"]):
+        kept = {k: g[k] for k in ("params", "names") if k in g}
+        param_groups.append({**saved_groups[_group_key(g, i)], **kept})
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     scheduler.load_state_dict(common["scheduler"])
     if "rng" in loaded:  # per-rank RNG streams only carry over to the same number of ranks
         _set_rng_state(loaded["rng"])

@@ -3,7 +3,7 @@
 A rank that dies closes its sockets: gloo fails the peers' next collective at once and torchrun stops
 the job. A rank that hangs (alive, never reaching the collective) is only caught by the peers'
 collective timeout, by default 30 minutes for gloo (and Megatron-Core's groups) and 10 for NCCL.
-The trainer sets its own on the default group and the TP, DP, EP, expert-DP, CP and DP×CP groups, so such a
+The trainer sets its own on the default group and the TP, DP, EP, expert-DP, CP, DP×CP and PP groups, so such a
 run fails after ``train.collective_timeout_s`` instead (through torch's ``_set_pg_timeout``: the
 groups are created by ``k3train.parallel.state.init_parallel``, which takes no timeout).
 """

@@ -3,7 +3,9 @@
 One optimizer step:
     for each of global_batch / (micro_batch · DP) micro-batches:
         loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
-    average gradients over DP×CP; ‖g‖ over TP; clip; optimizer.step(); scheduler.step()
+        (``MicroBatchLoop``; under parallel.pipeline > 1 the 1F1B ``PipelineSchedule`` runs them
+        through the stages and reports the step's loss on every stage)
+    average gradients over DP×CP; ‖g‖ over TP, EP and PP; clip; optimizer.step(); scheduler.step()
         (model.qb_updates_per_step > 1: Quantile Balancing also between groups of micro-batches)
     Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP×CP), optionally
     from the step's router inputs re-scored by the updated router (model.qb_rescore_stride)
@@ -28,9 +30,10 @@ import torch.distributed as dist
 from k3train.config.schema import K3Config
 from k3train.model.k3 import K3Model
 from k3train.model.mla import GatedMLA
-from k3train.model.moe import LatentMoE
 from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.parallel.data_parallel import average_gradients, clip_gradients, global_grad_norm
+from k3train.parallel.pipeline.layout import build_chunks
+from k3train.parallel.pipeline.stage import OnAnotherStage, keep_stage
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
 from k3train.training.checkpoint import load_checkpoint, save_checkpoint
 from k3train.training.checkpoint_writer import CheckpointWriter
@@ -42,6 +45,7 @@ from k3train.training.integrity import resume_checkpoint
 from k3train.training.resume_report import drop_metrics_after, report_config_changes
 from k3train.training.run_dir import RunDirError, RunDirLock, check_no_overwrite
 from k3train.training.metrics import MetricsLogger
+from k3train.training.micro_batches import MicroBatchLoop
 
 
 def _autocast(device: torch.device, dtype: str):
@@ -67,7 +71,7 @@ class Trainer:
         self.groups: ParallelGroups = init_parallel(cfg.parallel, self.device)
         g = self.groups
         if g.world_size > 1:
-            set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp, g.cp, g.dp_cp], t.collective_timeout_s)
+            set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp, g.cp, g.dp_cp, g.pp], t.collective_timeout_s)
         self.writer = CheckpointWriter(asynchronous=t.async_save)
         self.profiler = StepProfiler(Path(t.out_dir), list(t.profile_steps), self.device, self.groups.rank)
         self.run_dir = Path(t.out_dir)
@@ -78,7 +82,12 @@ class Trainer:
         torch.manual_seed(t.seed)  # same on every rank: the full weights are drawn identically
 
         self.model = K3Model(cfg.model, self.groups, cfg.precision.linear_backend,
-                             cfg.parallel.ep_dispatcher, cfg.precision.recipe).to(self.device)
+                             cfg.parallel.ep_dispatcher, cfg.precision.recipe)
+        p = cfg.parallel
+        if p.pipeline > 1:  # keep this stage's part (parameter names stay global)
+            self.chunks = build_chunks(cfg.model.num_layers, p.pipeline, p.virtual_stages, list(p.pipeline_layout))
+            keep_stage(self.model, self.chunks, self.groups.pp_rank)
+        self.model.to(self.device)
         if cfg.precision.expert_qat:
             from k3train.precision.mx_qat import enable_expert_qat
 
@@ -88,11 +97,14 @@ class Trainer:
                 if isinstance(m, GatedMLA):
                     m.track_max_logit = True
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.moe_layer_ids = [i for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, LatentMoE)]
+        self.moe_layer_ids = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]  # all stages'
+        self.local_moe_rows = [r for r, i in enumerate(self.moe_layer_ids)
+                               if not isinstance(self.model.layers[i], OnAnotherStage)]
         self.optimizer = build_optimizer(self.model, cfg.optim, self.groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
 
         self.n_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
+        self.schedule = self._build_schedule()
         self._build_data()
         self.step = 0
         self.guard = StepGuard.from_config(t)
@@ -133,6 +145,20 @@ class Trainer:
         self.train_iter = BatchIterator(train_ds, t.micro_batch_size, g.dp_rank, g.dp_size,
                                         context=self.model.context)
         self.valid_ds = valid_ds
+
+    def _build_schedule(self):
+        """The micro-batch loop, or the pipeline schedule under parallel.pipeline > 1."""
+        autocast = lambda: _autocast(self.device, self.cfg.precision.dtype)  # noqa: E731
+        if self.groups.pp_size > 1:
+            from k3train.parallel.pipeline.runtime import PipelineSchedule
+
+            return PipelineSchedule(self.model, self.chunks, self.groups.pp, self.device, autocast)
+
+        def qb_within_step():  # model.qb_updates_per_step > 1
+            for layer in self.model.moe_layers():
+                layer.update_bias(self.groups.dp_cp, after_optimizer_step=False)
+
+        return MicroBatchLoop(self._forward, self.device, self.cfg.model.qb_updates_per_step, qb_within_step)
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.train.resume
@@ -184,23 +210,14 @@ class Trainer:
         self.model.train()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
         moe = self.model.moe_layers()
-        qb_window = self.n_micro // self.cfg.model.qb_updates_per_step
         step = self.step + 1
         timer = PhaseTimer(self.device, synchronize=self._is_log_step(step) or self.profiler.active(step),
                            label=self.profiler.active(step))
-        for micro in range(1, self.n_micro + 1):
-            with timer("data"):
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_iter).items()}
-            with timer("fwd_bwd"):
-                loss = self._forward(batch)
-                (loss / self.n_micro).backward()
-                loss_sum += loss.detach()
-            if micro % qb_window == 0 and micro < self.n_micro:
-                with timer("optimizer"):
-                    for layer in moe:  # Quantile Balancing within the step (model.qb_updates_per_step)
-                        layer.update_bias(self.groups.dp_cp, after_optimizer_step=False)
+        with timer("data"):
+            batches = [next(self.train_iter) for _ in range(self.n_micro)]
+        with timer("fwd_bwd"):  # Quantile Balancing within the step (model.qb_updates_per_step) included
+            loss_sum = self.schedule.train(batches)  # the same on every stage
         with timer("comm"):
             average_gradients(self.params, self.groups)
             grad_norm = global_grad_norm(self.params, self.groups)
@@ -253,35 +270,51 @@ class Trainer:
 
     def _expert_load(self, moe: list) -> dict:
         """Per-layer expert load of the step, pooled over micro-batches and DP×CP ranks (one all-reduce
-        each for the counts and the worst micro-batch), and each layer's QB bias range."""
-        if not moe:
+        each for the counts and the worst micro-batch), and each layer's QB bias range; under pipeline
+        parallelism gathered from all stages, so that rank 0 logs every layer."""
+        if not self.moe_layer_ids:
             return {}
-        tokens = torch.stack([layer.load.tokens for layer in moe])  # [L, E]
-        worst = torch.stack([layer.load.worst for layer in moe])  # [L]
+        E = self.cfg.model.num_experts
+        tokens = torch.stack([layer.load.tokens for layer in moe]) if moe else torch.zeros(0, E, device=self.device)
+        worst = torch.stack([layer.load.worst for layer in moe]) if moe else torch.zeros(0, device=self.device)
         ep = self._ep_compute_balance([layer.load.computed for layer in moe])
         for layer in moe:
             layer.load.reset()
-        if self.groups.dp_cp_size > 1:
+        if self.groups.dp_cp_size > 1 and moe:
             dist.all_reduce(tokens, group=self.groups.dp_cp)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.groups.dp_cp)
+        bias = torch.stack([layer.gate.e_score_correction_bias for layer in moe]) if moe else tokens.new_zeros(0, E)
+        tokens, worst, bias = (self._over_stages(t.float()) for t in (tokens, worst, bias))
         pooled = tokens.max(1).values / tokens.mean(1).clamp(min=1e-9)
-        bias = torch.stack([layer.gate.e_score_correction_bias for layer in moe])
         worst_layer = self.moe_layer_ids[int(pooled.argmax())]
         return {"expert_load_max_over_mean": float(pooled.max()), "expert_load_worst_layer": worst_layer,
                 "expert_load_per_layer": [round(v, 4) for v in pooled.tolist()],
                 "expert_load_worst_micro_batch": [round(v, 4) for v in worst.tolist()],
                 "qb_bias_range": [round(v, 5) for v in (bias.max(1).values - bias.min(1).values).tolist()], **ep}
 
+    def _over_stages(self, rows: torch.Tensor) -> torch.Tensor:
+        """This stage's per-MoE-layer rows [L_here, ...] → every MoE layer's [L, ...] (each layer lives on
+        one stage: zeros elsewhere and one all-reduce over PP)."""
+        if self.groups.pp_size == 1:
+            return rows
+        full = rows.new_zeros(len(self.moe_layer_ids), *rows.shape[1:])
+        full[self.local_moe_rows] = rows
+        dist.all_reduce(full, group=self.groups.pp)
+        return full
+
     def _ep_compute_balance(self, computed: list[int]) -> dict:
         """Under expert parallelism, per layer: the rows the EP ranks' expert GEMMs ran this step,
         max/mean over the ranks (1.0 = every rank did the same work; the balanced dispatcher's aim)."""
         if self.groups.ep_size == 1:
             return {}
-        rows = torch.tensor(computed, dtype=torch.float64, device=self.device)
-        parts = [torch.empty_like(rows) for _ in range(self.groups.ep_size)]
-        dist.all_gather(parts, rows, group=self.groups.ep)
-        ranks = torch.stack(parts)  # [R, L]
-        per_layer = ranks.max(0).values / ranks.mean(0).clamp(min=1)
+        per_layer = torch.zeros(0, dtype=torch.float64, device=self.device)
+        if computed:  # a pipeline stage may hold no MoE layer
+            rows = torch.tensor(computed, dtype=torch.float64, device=self.device)
+            parts = [torch.empty_like(rows) for _ in range(self.groups.ep_size)]
+            dist.all_gather(parts, rows, group=self.groups.ep)
+            ranks = torch.stack(parts)  # [R, L]
+            per_layer = ranks.max(0).values / ranks.mean(0).clamp(min=1)
+        per_layer = self._over_stages(per_layer)
         return {"ep_compute_max_over_mean": float(per_layer.max()),
                 "ep_compute_per_layer": [round(v, 4) for v in per_layer.tolist()]}
 
@@ -292,7 +325,7 @@ class Trainer:
         self.model.eval()
         g, t = self.groups, self.cfg.train
         it = BatchIterator(self.valid_ds, t.micro_batch_size, g.dp_rank, g.dp_size, context=self.model.context)
-        losses = torch.stack([self._forward(next(it)).float() for _ in range(t.eval_iters)]).mean()
+        losses = self.schedule.evaluate([next(it) for _ in range(t.eval_iters)])
         if g.dp_cp_size > 1:
             dist.all_reduce(losses, group=g.dp_cp)
             losses /= g.dp_cp_size

@@ -1,0 +1,35 @@
+"""The micro-batch loop of one step when the model is not pipelined: the trainer's schedule for
+parallel.pipeline = 1 (``k3train.parallel.pipeline.runtime.PipelineSchedule`` is the other one).
+
+    for i, batch in enumerate(batches): loss_i = forward(batch); (loss_i / m).backward()
+    every m/U micro-batches (but not after the last): after_window()   (model.qb_updates_per_step = U)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class MicroBatchLoop:
+    def __init__(self, forward: Callable[[dict], torch.Tensor], device: torch.device,
+                 windows: int = 1, after_window: Callable[[], None] = lambda: None):
+        self.forward, self.device, self.windows, self.after_window = forward, device, windows, after_window
+
+    def train(self, batches: list[dict]) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns Σ_i loss_i."""
+        n = len(batches)
+        window = n // self.windows
+        loss_sum = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(batches, 1):
+            loss = self.forward(batch)
+            (loss / n).backward()
+            loss_sum += loss.detach()
+            if micro % window == 0 and micro < n:
+                self.after_window()
+        return loss_sum
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict]) -> torch.Tensor:
+        return torch.stack([self.forward(b).float() for b in batches]).mean()
