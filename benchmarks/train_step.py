@@ -3,7 +3,10 @@
     python benchmarks/train_step.py --model k3_bench_1b --batch 2 --seq 4096 --steps 10
 
 One step = forward + backward of one micro-batch under bf16 autocast + AdamW + Quantile Balancing
-(the trainer's per-step bias update, timed separately as ``qb_ms``). FLOPs come
+(the trainer's per-step bias update). Per-phase GPU times (forward, backward, optimizer, QB) come
+from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
+prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
+kernels grouped by kind and the top kernels by GPU time. FLOPs come
 from ``k3train.training.flops`` (KDA, MLA and active-expert aware), so MFU here is the same
 figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s) and against
 the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). Writes JSON.
@@ -42,6 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="train_step.json")
+    ap.add_argument("--profile", action="store_true", help="also profile two steps (kernels by kind and time)")
     args = ap.parse_args()
 
     cfg = model_config(args.model)
@@ -53,34 +57,43 @@ def main() -> None:
     x, y = tokens[:, :-1], tokens[:, 1:]
 
     moe = model.moe_layers()
-    qb_events = []
+    phases = ("forward", "backward", "optimizer", "qb")
+    events: list[dict] = []
 
-    def step() -> float:
+    def step() -> torch.Tensor:
+        marks = {name: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                 for name in phases}
         opt.zero_grad(set_to_none=True)
+        marks["forward"][0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, labels=y)
+        marks["forward"][1].record()
+        marks["backward"][0].record()
         loss.backward()
+        marks["backward"][1].record()
+        marks["optimizer"][0].record()
         opt.step()
-        qb_start, qb_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        qb_start.record()
+        marks["optimizer"][1].record()
+        marks["qb"][0].record()
         for layer in moe:
             layer.update_bias()
             layer.load.reset()
-        qb_end.record()
-        qb_events.append((qb_start, qb_end))
+        marks["qb"][1].record()
+        events.append(marks)
         return loss.detach()
 
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    qb_events.clear()
+    events.clear()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
-    qb_ms = sum(a.elapsed_time(b) for a, b in qb_events) / len(qb_events)
+    phase_ms = {name: sum(m[name][0].elapsed_time(m[name][1]) for m in events) / len(events) for name in phases}
+    qb_ms = phase_ms["qb"]
     tok = args.batch * args.seq
     tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
     row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": "bf16 autocast, fp32 params",
@@ -88,12 +101,57 @@ def main() -> None:
            "model_tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS,
            "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
-           "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3)}
+           "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
     print(f"{'model':>12} {'B×T':>10} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU(989)':>9} "
           f"{'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
     print(f"{args.model:>12} {args.batch}×{args.seq:<7} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} "
           f"{tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
+    print("phases (GPU time between events, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()))
+    if args.profile:
+        row["profile"] = profile(step)
     Path(args.json).write_text(json.dumps(row, indent=2))
+
+
+KINDS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "grouped_mm", "matmul")), ("kda", ("kda", "chunk_")),
+         ("attention", ("flash", "fmha", "attention", "efficient")), ("nccl", ("nccl",)),
+         ("triton (other)", ("triton",)), ("copy/cast", ("copy", "cast", "convert")),
+         ("reduce", ("reduce", "norm", "softmax")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "elementwise/other")
+
+
+def profile(step) -> dict:
+    """Two profiled steps: wall time, GPU busy time, kernel count, time by kernel kind, top kernels."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / 2
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / 2
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        ms = e.time_range.elapsed_us() / 1e3 / 2
+        by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + ms
+        by_name[e.name] = by_name.get(e.name, 0.0) + ms
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+    print(f"profiled step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%}), "
+          f"{len(kernels) // 2} kernels per step")
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<18} {ms:8.2f} ms {ms / busy_ms:6.1%}")
+    print("top kernels (ms per step):")
+    for name, ms in top:
+        print(f"  {ms:8.2f}  {name[:110]}")
+    return {"wall_ms": wall_ms, "gpu_busy_ms": busy_ms, "kernels_per_step": len(kernels) // 2,
+            "by_kind_ms": by_kind, "top_kernels_ms": dict(top)}
 
 
 if __name__ == "__main__":
