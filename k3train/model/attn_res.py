@@ -7,6 +7,7 @@ v_i ∈ R^d (the block bank plus the running partial sum) with a softmax over so
 
 w ([1, d], the pseudo-query) starts at 0 so the initial mix is uniform; γ ([d]) is a
 key-norm gain starting at 1. No 1/√d scaling; the weighted sum is over the raw v_i; fp32.
+The op is ``kernels.attn_res.attn_res_aggregate`` (reference, Triton forward/backward).
 """
 
 from __future__ import annotations
@@ -15,17 +16,7 @@ import torch
 from torch import nn
 
 from k3train.model.roles import Kind, ParamRole, set_role
-
-_RMS_EPS = 1e-5
-
-
-def attn_res_aggregate(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-    """Softmax-over-depth mix of ``sources`` (each [..., d]) → [..., d] in the sources' dtype."""
-    V = torch.stack(sources, dim=0).float()  # [S, ..., d]
-    keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + _RMS_EPS)
-    logits = (keys * (query.float().view(-1) * gain.float())).sum(-1)  # [S, ...]
-    weights = torch.softmax(logits, dim=0).unsqueeze(-1)
-    return (weights * V).sum(0).to(sources[0].dtype)
+from kernels.attn_res import attn_res_aggregate
 
 
 class AttnResAggregator(nn.Module):
