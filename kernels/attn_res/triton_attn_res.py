@@ -31,7 +31,7 @@ MAX_SOURCES = 8
 # GPU tiles (untuned): BLOCK_M tokens × BLOCK_D features a program; the interpreter takes small
 # tiles so tests cover several row blocks, several d chunks and the masked edges.
 GPU_BLOCK_M, GPU_MAX_BLOCK_D, GPU_NUM_WARPS = 8, 512, 4
-INTERPRET_BLOCKS = (4, 32)
+INTERPRET_BLOCKS = (4, 64)
 
 
 @triton.jit

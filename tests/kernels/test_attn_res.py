@@ -1,0 +1,181 @@
+"""Block AttnRes aggregation: the reference's analytic backward against torch autograd, and the
+Triton kernels against the reference (CPU: Triton interpreter; GPU: the same tests on CUDA).
+
+Kernel results (fp32) are compared with the reference evaluated in float64 on the same inputs,
+each tensor to within ``RTOL`` of its largest magnitude (dw, dγ: of the largest term of the
+token sum), which is tens of fp32 ulps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from triton_cpu import rerun_under_interpreter, triton_cpu
+
+import k3train.model.attn_res as model_attn_res
+from k3train.config.schema import ModelConfig
+from k3train.model.k3 import K3Model
+from kernels.attn_res import MAX_SOURCES, attn_res_aggregate
+from kernels.attn_res import reference as R
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+RTOL = 4e-6 if DEV == "cuda" else 2e-6  # GPU exp/rsqrt/div are approximate (a few ulp each)
+
+
+def random_inputs(S: int, shape: tuple[int, ...], seed: int, dtype=torch.float64):
+    """S sources with per-token scales spread over e^±2, w with logits of order 1..3 and
+    γ in [0.5, 1.5): no zeros anywhere (the model's w starts at 0; this tests non-zero)."""
+    g = torch.Generator().manual_seed(seed)
+    d = shape[-1]
+    scale = lambda: torch.empty(*shape[:-1], 1).uniform_(-2, 2, generator=g).exp()  # noqa: E731
+    sources = [torch.randn(shape, generator=g) * scale() for _ in range(S)]
+    w = torch.randn(1, d, generator=g) * (3.0 / d**0.5)
+    gain = torch.rand(d, generator=g) + 0.5
+    go = torch.randn(shape, generator=g)
+    assert all(bool((t != 0).all()) for t in [*sources, w, gain])
+    return [t.to(dtype) for t in sources], w.to(dtype), gain.to(dtype), go.to(dtype)
+
+
+def _leaves(ts, device=DEV, dtype=None):
+    return [t.detach().to(device=device, dtype=dtype or t.dtype).requires_grad_() for t in ts]
+
+
+def _fwd_bwd(fn, sources, w, gain, go):
+    """out and the gradients of every source, w and γ of ``fn`` (fresh leaves)."""
+    leaves = _leaves([*sources, w, gain])
+    out = fn(leaves[:-2], leaves[-2], leaves[-1])
+    out.backward(go.to(out))
+    return out, [t.grad for t in leaves]
+
+
+def _assert_near(x, ref, scale, what):
+    """|x − ref| ≤ RTOL·scale elementwise (scale 0: exactly equal)."""
+    x, ref = x.detach().cpu().double(), ref.detach().cpu().double()
+    assert x.shape == ref.shape, (what, x.shape, ref.shape)
+    err = float((x - ref).abs().max())
+    assert err <= RTOL * scale, f"{what}: max err {err:.3g} > {RTOL:g}·{scale:.3g}"
+
+
+def _check_against_reference(sources, w, gain, go, out, grads):
+    """Kernel out and gradients (fp32) against the float64 reference."""
+    S = len(sources)
+    ref_dv, ref_dw, ref_dg = R.attn_res_backward(sources, w, gain, go)
+    ref_out = R.attn_res_forward(sources, w, gain)
+    assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    _assert_near(out, ref_out, float(ref_out.abs().max()), "out")
+    for i in range(S):
+        _assert_near(grads[i], ref_dv[i], float(ref_dv[i].abs().max()), f"dv[{i}]")
+    # dq̃'s terms dl_i r_i v_i, summed over tokens: bound by the sum of their magnitudes
+    V = torch.stack(sources)
+    r = torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + R.RMS_EPS)
+    qt = (w.view(-1) * gain)
+    a = torch.softmax(r * (V * qt).sum(-1, keepdim=True), 0)
+    c = (V * go).sum(-1, keepdim=True)
+    dl = a * (c - (a * c).sum(0, keepdim=True))
+    terms = (dl * r * V).abs().reshape(-1, V.shape[-1]).sum(0)
+    _assert_near(grads[S], ref_dw, float((terms * gain).max()), "dw")
+    _assert_near(grads[S + 1], ref_dg, float((terms * w.view(-1).abs()).max()), "dgain")
+    if S == 1:  # one source: a = 1, the query gets no gradient
+        assert not grads[S].any() and not grads[S + 1].any()
+
+
+# ----------------------------------------------------------------------------------------------
+# reference and torch backend
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("S", [1, 3, 9])
+def test_reference_backward_matches_autograd(S):
+    sources, w, gain, go = random_inputs(S, (2, 5, 24), seed=S)
+    out, grads = _fwd_bwd(R.attn_res_forward, sources, w, gain, go)
+    dv, dw, dg = R.attn_res_backward(sources, w, gain, go)
+    for got, want in zip([*dv, dw, dg], grads):
+        torch.testing.assert_close(got, want.cpu(), rtol=1e-12, atol=1e-12)
+    assert out.dtype == torch.float64
+    half = R.attn_res_forward([v.bfloat16() for v in sources], w.float(), gain.float())
+    assert half.dtype == torch.bfloat16
+
+
+def test_torch_backend_is_the_reference():
+    sources, w, gain, _ = random_inputs(4, (3, 7, 16), seed=4, dtype=torch.float32)
+    ref = R.attn_res_forward(sources, w, gain)
+    for backend in ("torch", "auto"):
+        assert torch.equal(attn_res_aggregate(sources, w, gain, backend=backend), ref)
+    assert torch.equal(model_attn_res.attn_res_aggregate(sources, w, gain), ref)
+
+
+def test_errors():
+    x = torch.randn(2, 8)
+    w, gain = torch.randn(1, 8), torch.rand(8)
+    with pytest.raises(ValueError, match="unknown AttnRes backend"):
+        attn_res_aggregate([x, x], w, gain, backend="cuda")
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        attn_res_aggregate([x, torch.randn(2, 9)], w, gain)
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        attn_res_aggregate([x, x.double()], w, gain)
+    with pytest.raises(ValueError, match="Triton AttnRes kernels take"):
+        attn_res_aggregate([x.double()], w, gain, backend="triton")
+    with pytest.raises(ValueError, match=f"at most {MAX_SOURCES} sources"):
+        attn_res_aggregate([x] * (MAX_SOURCES + 1), w, gain, backend="triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels against the reference
+# ----------------------------------------------------------------------------------------------
+
+@triton_cpu
+@pytest.mark.parametrize("S, shape", [(1, (1, 7, 96)), (2, (2, 3, 1000)), (5, (13, 96)),
+                                      (8, (1, 9, 96))])
+def test_triton_kernels(S, shape):
+    """Token counts off the row block of 4, d off the d chunk of 64 (96 = 1.5 chunks, 1000 =
+    15.6)."""
+    sources, w, gain, go = random_inputs(S, shape, seed=10 + S)
+    kernel = functools.partial(attn_res_aggregate, backend="triton")
+    out, grads = _fwd_bwd(kernel, _leaves(sources, dtype=torch.float32), w.float(), gain.float(), go)
+    assert type(out.grad_fn).__name__.startswith("_AttnResAggregate")
+    assert out.shape == shape
+    _check_against_reference(sources, w, gain, go, out, grads)
+
+
+@triton_cpu
+def test_triton_model_equals_reference_path(monkeypatch):
+    """k3_tiny (19 sites, up to 4 sources) forward and backward: the kernel against the torch path.
+    Under the interpreter one program covers all 12 tokens (the edges are test_triton_kernels')."""
+    from kernels.attn_res import triton_attn_res as T
+    monkeypatch.setattr(T, "INTERPRET_BLOCKS", (16, 64))
+    torch.manual_seed(0)
+    model = K3Model(ModelConfig()).to(DEV)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_res.proj"):
+                p.normal_(0, 0.5)
+    tokens = torch.randint(0, 512, (1, 12), device=DEV)
+    labels = torch.randint(0, 512, (1, 12), device=DEV)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(tokens, labels=labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = loss_and_grads()
+    calls = []
+
+    def kernel(sources, query, gain):
+        calls.append(len(sources))
+        return attn_res_aggregate(sources, query, gain, backend="triton")
+
+    monkeypatch.setattr(model_attn_res, "attn_res_aggregate", kernel)
+    got, got_grads = loss_and_grads()
+    assert len(calls) == 2 * ModelConfig().num_layers + 1 and max(calls) == 4
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for n, g in want_grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()) + 1e-9,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_triton_cpu_subprocess():
+    """Runs the Triton tests above under the interpreter when this process could not."""
+    rerun_under_interpreter(__file__)
