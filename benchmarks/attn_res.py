@@ -1,0 +1,127 @@
+"""Block AttnRes aggregation: the fused Triton kernels against the torch reference.
+
+    python benchmarks/attn_res.py [--tokens 8192] [--dim 1024] [--sources 2 5] [--json out.json]
+
+One process, one GPU, bench-1B shapes by default (2×4096 tokens, d = 1024, fp32 sources; S = 2 and
+5 are a site early and late in bench-1B's 13 layers). For each S and backend ("triton": the
+kernels; "torch": ``reference.attn_res_forward`` under autograd): forward and forward+backward
+time (median of ``triton.testing.do_bench``), the bytes an ideal pass moves (forward: S sources
+read, out written; backward: g and S sources read, S gradients written; fp32) as GB/s, and the
+memory autograd holds after the forward beyond the output and the inputs. Before timing, the kernel
+must match the reference (out and dv_0 within 1e-5 of their largest magnitude).
+``--small`` (64 tokens, d 96) is a dry run that also works on CPU (Triton through its interpreter
+when TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+from kernels.attn_res import attn_res_aggregate  # noqa: E402
+
+
+def bench(fn, warmup: int, rep: int, device: str) -> float:
+    """Median ms of fn()."""
+    if device == "cuda":
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    times = []
+    for i in range(warmup + rep):
+        t = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def measure(S: int, tokens: int, d: int, backend: str, device: str, warmup: int, rep: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(S)
+    sources = [torch.randn(tokens, d, device=device, generator=g).requires_grad_() for _ in range(S)]
+    w = (torch.randn(1, d, device=device, generator=g) * 3 / d**0.5).requires_grad_()
+    gain = (torch.rand(d, device=device, generator=g) + 0.5).requires_grad_()
+    go = torch.randn(tokens, d, device=device, generator=g)
+    leaves = [*sources, w, gain]
+
+    def fwd():
+        return attn_res_aggregate(sources, w, gain, backend=backend)
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), leaves, go)
+
+    held = None
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = fwd()
+        held = (torch.cuda.memory_allocated() - before - out.numel() * out.element_size()) / 2**20
+        del out
+    with torch.no_grad():
+        t_fwd = bench(fwd, warmup, rep, device)
+    t_fb = bench(fwd_bwd, warmup, rep, device)
+    fwd_bytes, bwd_bytes = (S + 1) * tokens * d * 4, (2 * S + 1) * tokens * d * 4
+    return {"S": S, "backend": backend, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
+            "fwd_GBps": fwd_bytes / t_fwd / 1e6, "fwd_bwd_GBps": (fwd_bytes + bwd_bytes) / t_fb / 1e6,
+            "held_MiB": held}
+
+
+def check(S: int, tokens: int, d: int, device: str) -> None:
+    """The kernel's out and dv_0 against the torch reference, before anything is timed."""
+    g = torch.Generator(device=device).manual_seed(100 + S)
+    sources = [torch.randn(tokens, d, device=device, generator=g) for _ in range(S)]
+    w, gain = torch.randn(1, d, device=device, generator=g) * 3 / d**0.5, torch.rand(d, device=device) + 0.5
+    go = torch.randn(tokens, d, device=device, generator=g)
+    res = {}
+    for backend in ("triton", "torch"):
+        leaf = sources[0].clone().requires_grad_()
+        out = attn_res_aggregate([leaf, *sources[1:]], w, gain, backend=backend)
+        (dv0,) = torch.autograd.grad(out, leaf, go)
+        res[backend] = (out.detach(), dv0)
+    for name, k, t in zip(("out", "dv0"), res["triton"], res["torch"]):
+        err = float((k - t).abs().max() / t.abs().max())
+        assert err < 1e-5, f"S={S}: the kernel's {name} is {err:.2g} from the reference"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--sources", type=int, nargs="+", default=[2, 5])
+    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--small", action="store_true", help="64 tokens, d 96, 2 reps: a dry run")
+    p.add_argument("--json", default="attn_res_bench.json")
+    args = p.parse_args()
+    if args.small:
+        args.tokens, args.dim, args.warmup, args.rep = 64, 96, 1, 2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for S in args.sources:
+        check(S, args.tokens, args.dim, device)
+        rows += [measure(S, args.tokens, args.dim, b, device, args.warmup, args.rep) for b in ("torch", "triton")]
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"AttnRes aggregation, {args.tokens} tokens, d={args.dim}, fp32 sources, {name}")
+    print(f"{'S':>2} {'backend':>7} {'fwd ms':>8} {'fwd GB/s':>9} {'f+b ms':>8} {'f+b GB/s':>9} "
+          f"{'held MiB':>9} {'f+b speedup':>11}")
+    for r in rows:
+        torch_row = next(x for x in rows if x["S"] == r["S"] and x["backend"] == "torch")
+        r["fwd_bwd_speedup_vs_torch"] = torch_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+        held = "n/a" if r["held_MiB"] is None else f"{r['held_MiB']:.0f}"
+        print(f"{r['S']:>2} {r['backend']:>7} {r['fwd_ms']:>8.3f} {r['fwd_GBps']:>9.0f} {r['fwd_bwd_ms']:>8.3f} "
+              f"{r['fwd_bwd_GBps']:>9.0f} {held:>9} {r['fwd_bwd_speedup_vs_torch']:>10.2f}x")
+    with open(args.json, "w") as f:
+        json.dump({"device": name, "tokens": args.tokens, "dim": args.dim, "torch": torch.__version__,
+                   "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
