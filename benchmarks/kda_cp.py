@@ -24,7 +24,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from k3train.parallel.context_parallel import kda_context_parallel
+from k3train.parallel.context_parallel import ChunkPieces, kda_context_parallel
 from k3train.parallel.context_shard import ContextShard
 from kernels.kda import kda
 
@@ -71,9 +71,10 @@ def main(shape: str, json_path: str, warmup: int = 3, rep: int = 10) -> None:
     pos = torch.arange(T, device=device).expand(B, T)
     mine = [shard.split(t).contiguous().requires_grad_() for t in full[:5]]
     do = torch.randn(B, T // C, H, D, device=device, dtype=torch.bfloat16)
+    pieces = ChunkPieces.from_position_ids(shard.split(pos))  # the model computes these once per forward
 
     def cp_step():
-        o = kda_context_parallel(*mine, full[5], full[6], shard.split(pos), shard, lower_bound=-5.0)
+        o = kda_context_parallel(*mine, full[5], full[6], pieces, shard, lower_bound=-5.0)
         o.backward(do)
 
     cp_ms, cp_mib = _time(cp_step, warmup, rep, device)

@@ -5,7 +5,8 @@ pipeline resets positions after each EOD). From it we derive what each sequence
 mixer needs so that no information crosses a document boundary:
 
 - ``position_ids``: the short conv masks taps that reach before the document start;
-- ``cu_seqlens`` [N+1] (int32, over the flattened B·T tokens): KDA resets its state;
+- ``cu_seqlens`` [N+1] (int32, over the flattened B·T tokens): KDA resets its state (under context
+  parallelism: over this rank's chunk rows, ``pieces``);
 - ``doc_ids`` [B, T]: MLA allows attention only within one document.
 
 Under context parallelism (``shard`` set) the tensors describe this rank's share of each row
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3train.parallel.context_parallel import ChunkPieces
 from k3train.parallel.context_shard import ContextShard
 
 
@@ -29,6 +31,7 @@ class Documents:
     cu_seqlens: torch.Tensor  # [N + 1] int32, document offsets in the flattened B*T tokens
     one_per_row: bool  # every row holds exactly one document (no mask needed beyond causal)
     shard: ContextShard | None = None  # context parallelism: this rank's share of the rows
+    pieces: ChunkPieces | None = None  # its chunk rows cut at document starts (KDA's packing under CP)
     query_index: torch.Tensor | None = None  # [T_local] int64, position of each local token in the row
     key_doc_ids: torch.Tensor | None = None  # [B, T] int64, doc_ids of the whole rows
 
@@ -51,9 +54,10 @@ class Documents:
         """The documents of this CP rank's share [B, T/C] of rows whose other chunks are elsewhere."""
         whole = cls.from_position_ids(shard.gather_sequence(position_ids))
         index = shard.global_index(position_ids.shape[1], position_ids.device)
-        local = cls.from_position_ids(position_ids)  # cu_seqlens per local row (KDA under CP re-derives its own)
-        return cls(position_ids=position_ids, doc_ids=whole.doc_ids[:, index], cu_seqlens=local.cu_seqlens,
-                   one_per_row=whole.one_per_row, shard=shard, query_index=index, key_doc_ids=whole.doc_ids)
+        pieces = ChunkPieces.from_position_ids(position_ids)
+        return cls(position_ids=position_ids, doc_ids=whole.doc_ids[:, index], cu_seqlens=pieces.cu_seqlens,
+                   one_per_row=whole.one_per_row, shard=shard, pieces=pieces, query_index=index,
+                   key_doc_ids=whole.doc_ids)
 
     @classmethod
     def single(cls, batch: int, seq: int, device: torch.device | str = "cpu") -> "Documents":

@@ -110,7 +110,7 @@ class KimiDeltaAttention(nn.Module):
         b = self.b_proj(x).view(B, T, H)
         A_log, dt_bias = self.A_log.float(), self.dt_bias.float()
         if shard is not None:
-            o = kda_context_parallel(q, k, v, f, b, A_log, dt_bias, pos, shard, lower_bound=self.lower_bound)
+            o = kda_context_parallel(q, k, v, f, b, A_log, dt_bias, docs.pieces, shard, lower_bound=self.lower_bound)
         else:
             # Pack the batch into one row so the kernel resets its state at every document start.
             def flat(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ Shapes: x [B, 2L, C] and position_ids [B, 2L] are this rank's share of B rows; q
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.kda import MAX_V, kda
@@ -69,22 +71,40 @@ def causal_conv_context_parallel(x: torch.Tensor, weight: torch.Tensor, position
     return out[:, halo_len:].reshape(x.shape[0], x.shape[1], *out.shape[2:])
 
 
-def _pieces(position_ids: torch.Tensor) -> tuple[list[int], list[bool], list[int]]:
-    """The chunk rows [N, L] cut at every document start, as one packed sequence of N·L tokens:
-    piece offsets ``cu`` [P + 1], whether each piece continues a document from the chunk before
+@dataclass(frozen=True)
+class ChunkPieces:
+    """This rank's chunk rows [N = 2B, L] cut at every document start, as one packed sequence of
+    N·L tokens (computed once per forward, shared by every KDA layer): piece offsets ``cu`` [P + 1]
+    (and as an int32 device tensor), whether each piece continues a document from the chunk before
     (a row's first piece, unless a document starts at its first token), and each piece's row."""
-    N, L = position_ids.shape
-    cu, continues, row_of = [0], [], []
-    for b, row in enumerate(position_ids.tolist()):
-        starts = [t for t in range(1, L) if row[t] == 0]
-        for j, end in enumerate([*starts, L]):
-            cu.append(b * L + end)
-            continues.append(j == 0 and row[0] != 0)
-            row_of.append(b)
-    return cu, continues, row_of
+
+    cu: list[int]
+    continues: list[bool]
+    row_of: list[int]
+    cu_seqlens: torch.Tensor
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> "ChunkPieces":
+        """position_ids: [B, 2L], this rank's share of the rows."""
+        rows = _chunk_rows(position_ids)
+        N, L = rows.shape
+        cu, continues, row_of = [0], [], []
+        for b, row in enumerate(rows.tolist()):  # one host read per forward
+            starts = [t for t in range(1, L) if row[t] == 0]
+            for j, end in enumerate([*starts, L]):
+                cu.append(b * L + end)
+                continues.append(j == 0 and row[0] != 0)
+                row_of.append(b)
+        return cls(cu, continues, row_of, torch.tensor(cu, dtype=torch.int32, device=position_ids.device))
+
+    @property
+    def last(self) -> list[int]:
+        """Each row's last piece."""
+        n = len(self.row_of)
+        return [i for i in range(n) if i + 1 == n or self.row_of[i + 1] != self.row_of[i]]
 
 
-def _chunk_transitions(q, k, v, g, beta, A_log, dt_bias, cu, continues, row_of, kw) -> torch.Tensor:
+def _chunk_transitions(q, k, v, g, beta, A_log, dt_bias, pieces: ChunkPieces, kw) -> torch.Tensor:
     """[N, H, K, K + V] fp32: each chunk row's [M | S_ext] from one packed KDA pass.
 
     The recurrence is linear in the state, so running values [0 | v] from the state [I | 0] carries
@@ -94,12 +114,11 @@ def _chunk_transitions(q, k, v, g, beta, A_log, dt_bias, cu, continues, row_of, 
     V = v.shape[-1]
     eye = torch.eye(K, device=q.device).expand(H, K, K)
     zero = q.new_zeros(H, K, K + V, dtype=torch.float32)
-    x0 = torch.stack([torch.cat([eye, zero[..., K:]], -1) if c else zero for c in continues])
+    x0 = torch.stack([torch.cat([eye, zero[..., K:]], -1) if c else zero for c in pieces.continues])
     v_aug = torch.cat([v.new_zeros(N, L, H, K), v], -1)
     _, final = kda(*(_packed(t) for t in (q, k, v_aug, g, beta)), A_log, dt_bias, initial_state=x0.contiguous(),
-                   output_final_state=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=q.device), **kw)
-    last = [i for i in range(len(row_of)) if i + 1 == len(row_of) or row_of[i + 1] != row_of[i]]
-    return final[last]
+                   output_final_state=True, cu_seqlens=pieces.cu_seqlens, **kw)
+    return final[pieces.last]
 
 
 def _packed(t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +126,7 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]).contiguous()
 
 
-def kda_context_parallel(q, k, v, g, beta, A_log, dt_bias, position_ids: torch.Tensor, shard: ContextShard, *,
+def kda_context_parallel(q, k, v, g, beta, A_log, dt_bias, pieces: ChunkPieces, shard: ContextShard, *,
                          lower_bound: float, use_qk_l2norm: bool = True) -> torch.Tensor:
     """KDA on this rank's share of every row, exact against the whole rows on one rank
     → o [B, 2L, H, V]. Two packed KDA passes (transitions, then the rerun) and one collective."""
@@ -117,15 +136,14 @@ def kda_context_parallel(q, k, v, g, beta, A_log, dt_bias, position_ids: torch.T
         raise ValueError(f"kda context parallel: K + V = {K + V} is above the kernel's {MAX_V} value columns")
     kw = dict(lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm)
     q, k, v, g, beta = (_chunk_rows(t) for t in (q, k, v, g, beta))
-    cu, continues, row_of = _pieces(_chunk_rows(position_ids))
-    MS = _chunk_transitions(q, k, v, g, beta, A_log, dt_bias, cu, continues, row_of, kw)
+    MS = _chunk_transitions(q, k, v, g, beta, A_log, dt_bias, pieces, kw)
     MS_all = _per_chunk(MS, shard)  # [2C, B, H, K, K + V] fp32
     M_all, S_all = MS_all.split([K, V], -1)
     S_in = _mine(chain_states(M_all, S_all), shard)  # [2B, H, K, V]
     S_in = S_in + 0.0 * MS_all.sum()  # chunk 0's S_in is a constant otherwise
 
     # rerun: every piece from its entering state (0 where a document starts; in the graph everywhere)
-    h0 = torch.stack([S_in[b] if c else 0.0 * S_in[b] for b, c in zip(row_of, continues)])
+    h0 = torch.stack([S_in[b] if c else 0.0 * S_in[b] for b, c in zip(pieces.row_of, pieces.continues)])
     o, _ = kda(*(_packed(t) for t in (q, k, v, g, beta)), A_log, dt_bias, initial_state=h0,
-               cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=q.device), **kw)
+               cu_seqlens=pieces.cu_seqlens, **kw)
     return o.view(B, T_local, H, V)

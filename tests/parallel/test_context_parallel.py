@@ -53,7 +53,7 @@ def _check(rank, world):
     import torch.distributed as dist
 
     from k3train.model.kda import causal_conv_with_resets
-    from k3train.parallel.context_parallel import causal_conv_context_parallel, kda_context_parallel
+    from k3train.parallel.context_parallel import ChunkPieces, causal_conv_context_parallel, kda_context_parallel
     from k3train.parallel.context_shard import ContextShard
 
     shard = ContextShard(dist.group.WORLD, world, rank)
@@ -67,8 +67,8 @@ def _check(rank, world):
     per_token = [n for n, t in x.items() if t.dim() >= 2 and t.shape[1] == T and n != "conv_w"]
     mine = {n: (shard.split(t) if n in per_token else t).clone().requires_grad_() for n, t in x.items()}
     my_pos = shard.split(pos)
-    o = kda_context_parallel(*(mine[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), my_pos, shard,
-                             lower_bound=-5.0)
+    o = kda_context_parallel(*(mine[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")),
+                             ChunkPieces.from_position_ids(my_pos), shard, lower_bound=-5.0)
     conv = causal_conv_context_parallel(mine["conv_in"], mine["conv_w"], my_pos, shard, causal_conv_with_resets)
     torch.testing.assert_close(o, shard.split(o_ref.detach()), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(conv, shard.split(conv_ref.detach()), rtol=1e-5, atol=1e-6)
