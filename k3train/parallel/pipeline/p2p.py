@@ -8,7 +8,8 @@ the right buffers and a send waiting for its receiver never holds up a message i
 direction. The channels are set up once, with one blocking exchange each in a global order.
 
 ``wait_s`` is the time this rank spent blocked waiting for messages (on GPU exact only with
-``timed``, which synchronises the device around each wait), ``bytes_sent`` what it sent.
+``timed``, which synchronises the compute stream around each wait and so keeps the host from
+running ahead: time with it off for throughput), ``bytes_sent`` what it sent.
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ class Channels:
             buf = torch.empty(shape, device=self.device, dtype=torch.float32)
             self.posted[next_key] = (buf, dist.irecv(buf, self.ranks[src], group=self.groups[src, self.stage]))
         buf, work = self.posted.pop(key)
+        # timed: sync the compute stream only (a device-wide sync would also wait for the receives
+        # already posted on NCCL's stream, and count the wait before the clock starts)
         if self.timed and buf.is_cuda:  # the compute queued so far is not waiting
-            torch.cuda.synchronize(buf.device)
+            torch.cuda.current_stream(buf.device).synchronize()
         start = time.perf_counter()
         work.wait()
         if self.timed and buf.is_cuda:
-            torch.cuda.synchronize(buf.device)
+            torch.cuda.current_stream(buf.device).synchronize()
         self.wait_s += time.perf_counter() - start
         return buf
 
