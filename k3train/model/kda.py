@@ -3,7 +3,8 @@
 Per token x ∈ R^d, heads H (local to this TP rank), head dim h, P = H·h:
 
     q̃, k̃, ṽ = W_q x, W_k x, W_v x                      (column-parallel, [P] each)
-    q, k, v  = SiLU(causal_conv4(·))                   (depthwise, resets at document starts)
+    q, k, v  = SiLU(causal_conv4(·))                   (depthwise, resets at document starts;
+                                                         ``kernels.short_conv``)
     f        = W_fb W_fa x                             (low rank d → h → P)
     g        = lb · σ(exp(A_log) · (f + dt_bias))       (log-decay in (lb, 0); inside the kernel)
     β        = σ(W_b x)                                 ([H]; inside the kernel)
@@ -25,29 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.kda import kda as kda_op
+from kernels.short_conv import causal_conv_with_resets
 from k3train.config.schema import ModelConfig
 from k3train.model.documents import Documents
 from k3train.model.norm import rms_norm
 from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.parallel.context_parallel import causal_conv_context_parallel, kda_context_parallel
 from k3train.parallel.tensor_parallel import TPSpec
-
-
-def causal_conv_with_resets(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv, no bias, that never reads across a document start.
-
-    x: [B, T, C]; weight: [C, 1, W] (fp32); position_ids: [B, T] (position within document).
-    out[t] = Σ_{s=0}^{W-1} weight[:, 0, W-1-s] · x[t-s] · [position_ids[t] ≥ s]. Computed in fp32.
-    """
-    width = weight.shape[-1]
-    xf = x.float()
-    w = weight.float().squeeze(1)  # [C, W]
-    out = xf * w[:, width - 1]
-    for s in range(1, width):
-        shifted = F.pad(xf[:, :-s], (0, 0, s, 0))
-        valid = (position_ids >= s).unsqueeze(-1)
-        out = out + torch.where(valid, shifted, 0.0) * w[:, width - 1 - s]
-    return out.to(x.dtype)
 
 
 def init_dt_bias(n: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -1,0 +1,55 @@
+"""KDA's depthwise causal short conv with document resets as one fused op with its own backward.
+
+    out = causal_conv_with_resets(x, weight, position_ids)   # [B, T, C], [C, 1, W], [B, T] → [B, T, C]
+
+out[b, t] = Σ_s weight[:, 0, W−1−s] · x[b, t−s] · [position_ids[b, t] ≥ s] (t − s ≥ 0), in fp32,
+returned in x's dtype (math and gradients in ``reference.py``). ``backend``:
+
+* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
+* ``"triton"``: the kernels of ``triton_short_conv.py`` (x bf16, fp16 or fp32), one launch
+  forward and one backward, saving only x, the weight and position_ids; on CPU through Triton's
+  interpreter (``TRITON_INTERPRET=1`` before triton is imported);
+* ``"torch"``: ``reference.causal_conv_forward``, differentiated by torch autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..backend import use_triton
+from . import reference
+
+__all__ = ["causal_conv_with_resets"]
+
+
+class _CausalConvWithResets(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, position_ids):
+        from .triton_short_conv import short_conv_fwd
+        x, pos = x.contiguous(), position_ids.contiguous()
+        w = weight.float().reshape(weight.shape[0], weight.shape[-1]).contiguous()
+        ctx.save_for_backward(x, w, pos)
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        return short_conv_fwd(x, w, pos)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        from .triton_short_conv import short_conv_bwd
+        x, w, pos = ctx.saved_tensors
+        dx, dw = short_conv_bwd(x, w, pos, grad_out.contiguous())
+        return dx, dw.view(ctx.weight_shape).to(ctx.weight_dtype), None
+
+
+def causal_conv_with_resets(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor,
+                            backend: str = "auto") -> torch.Tensor:
+    """Depthwise causal conv, no bias, that never reads across a document start: x [B, T, C],
+    weight [C, 1, W], position_ids [B, T] (0 where a document starts) → [B, T, C] in x's dtype."""
+    if x.dim() != 3 or weight.dim() != 3 or weight.shape[:2] != (x.shape[2], 1) \
+            or position_ids.shape != x.shape[:2]:
+        raise ValueError(f"short conv takes x [B, T, C], weight [C, 1, W], position_ids [B, T]; got "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(position_ids.shape)}")
+    if use_triton(x, backend, "short-conv"):
+        return _CausalConvWithResets.apply(x, weight, position_ids)
+    return reference.causal_conv_forward(x, weight, position_ids)
