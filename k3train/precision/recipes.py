@@ -36,8 +36,6 @@ from k3train.config.schema import PRECISION_RECIPES as RECIPES
 from kernels.fp8_block import fp8_block_matmul, fp8_block_unavailable
 from kernels.mx.gemm import mxfp8_matmul
 
-RECIPES = ("bf16", "mxfp8", "fp8_block")
-
 
 class RecipeGemm(Protocol):
     def __call__(self, a: torch.Tensor, b: torch.Tensor, weight: bool) -> torch.Tensor:
