@@ -29,6 +29,7 @@ from torch import nn
 from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.parallel.state import ParallelGroups
 from k3train.precision.recipes import RecipeLinear, linear_gemm, recipe_linear, te_mxfp8_forward, te_mxfp8_native
+from kernels.cross_entropy import cross_entropy as fused_cross_entropy
 
 
 def te_available() -> bool:
@@ -260,7 +261,13 @@ class TPSpec:
         return mod
 
     def cross_entropy(self, logits_local: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token loss from vocabulary-sharded logits [..., V/tp] (fp32)."""
+        """Per-token fp32 loss from vocabulary-sharded logits [..., V/tp]. CUDA logits go through the
+        fused Triton kernels (``kernels.cross_entropy``: no fp32 copy of the logits, this rank's
+        vocabulary slice starts at rank · V/tp); CPU logits through today's fp32 path."""
+        if logits_local.is_cuda:
+            group = self.groups.tp if self.backend != "torch" and self.size > 1 else None
+            return fused_cross_entropy(logits_local, labels, group=group,
+                                       vocab_start=self.rank * logits_local.shape[-1], backend="triton")
         if self.backend == "torch":
             return F.cross_entropy(logits_local.float().flatten(0, -2), labels.flatten(), reduction="none"
                                    ).view(labels.shape)
