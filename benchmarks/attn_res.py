@@ -18,29 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from kernels.attn_res import attn_res_aggregate  # noqa: E402
-
-
-def bench(fn, warmup: int, rep: int, device: str) -> float:
-    """Median ms of fn()."""
-    if device == "cuda":
-        from triton.testing import do_bench
-        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    times = []
-    for i in range(warmup + rep):
-        t = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+from op_timing import held_mib, median_ms  # noqa: E402
 
 
 def measure(S: int, tokens: int, d: int, backend: str, device: str, warmup: int, rep: int) -> dict:
@@ -57,16 +42,10 @@ def measure(S: int, tokens: int, d: int, backend: str, device: str, warmup: int,
     def fwd_bwd():
         torch.autograd.grad(fwd(), leaves, go)
 
-    held = None
-    if device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        out = fwd()
-        held = (torch.cuda.memory_allocated() - before - out.numel() * out.element_size()) / 2**20
-        del out
+    held = held_mib(fwd, device)
     with torch.no_grad():
-        t_fwd = bench(fwd, warmup, rep, device)
-    t_fb = bench(fwd_bwd, warmup, rep, device)
+        t_fwd = median_ms(fwd, device, warmup, rep)
+    t_fb = median_ms(fwd_bwd, device, warmup, rep)
     fwd_bytes, bwd_bytes = (S + 1) * tokens * d * 4, (2 * S + 1) * tokens * d * 4
     return {"S": S, "backend": backend, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
             "fwd_GBps": fwd_bytes / t_fwd / 1e6, "fwd_bwd_GBps": (fwd_bytes + bwd_bytes) / t_fb / 1e6,

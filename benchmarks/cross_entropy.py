@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -26,25 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from kernels.cross_entropy import cross_entropy  # noqa: E402
+from op_timing import median_ms  # noqa: E402
 
 PATHS = {
     "triton": lambda z, y: cross_entropy(z, y, backend="triton"),
     "today": lambda z, y: F.cross_entropy(z.float(), y, reduction="none"),
 }
-
-
-def bench(fn, device: str, warmup: int = 5, rep: int = 20) -> float:
-    """Median ms of fn()."""
-    if device == "cuda":
-        from triton.testing import do_bench
-        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    times = []
-    for i in range(2 + 3):
-        t = time.perf_counter()
-        fn()
-        if i >= 2:
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def fwd_bwd(path: str, z: torch.Tensor, y: torch.Tensor, go: torch.Tensor):
@@ -82,7 +67,7 @@ def main() -> None:
             fwd_bwd(path, z, y, go)
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = bench(lambda: fwd_bwd(path, z, y, go), device)
+        ms = median_ms(lambda: fwd_bwd(path, z, y, go), device, *((5, 20) if device == "cuda" else (2, 3)))
         rows.append({"path": path, "tokens": N, "vocab": V, "fwd_bwd_ms": ms, "peak_extra_gib": peak})
 
     print(f"{'path':8} {'tokens':>7} {'vocab':>7} {'fwd+bwd ms':>11} {'peak extra GiB':>15}")
@@ -92,7 +77,8 @@ def main() -> None:
     print(f"speed-up {rows[1]['fwd_bwd_ms'] / rows[0]['fwd_bwd_ms']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows}, f, indent=1)
+            name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+            json.dump({"device": name, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
