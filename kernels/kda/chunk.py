@@ -417,8 +417,8 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
             tv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
             bdo = tl.load(do + tv, mask=rv[:, None] & vm[None, :], other=0.).to(DT)
             wo = wbase + r[:, None] * V + cv[None, :]
-            WD = tl.load(wscr + wo, mask=vm[None, :], other=0.)
-            dR = tl.load(wscr + C * V + wo, mask=vm[None, :], other=0.)
+            WD = tl.load(wscr + wo, mask=vm[None, :], other=0.).to(DT)  # (bf16 scratch: DT is fp32 under
+            dR = tl.load(wscr + C * V + wo, mask=vm[None, :], other=0.).to(DT)  # the interpreter)
             bdQd += tl.dot(bdo, tl.trans(S0))
             bdKd -= tl.dot(dR, tl.trans(S0))
             bdKe += tl.dot(WD, tl.trans(dSC))
