@@ -6,7 +6,10 @@ One step = forward + backward of one micro-batch under bf16 autocast + AdamW + Q
 (the trainer's per-step bias update). Per-phase GPU times (forward, backward, optimizer, QB) come
 from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
 prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
-kernels grouped by kind and the top kernels by GPU time. FLOPs come
+kernels grouped by kind and the top kernels by GPU time. ``--compile`` then compiles each decoder
+layer in place as ``train.compile`` does (``k3train.training.compile``) and times the same model,
+shapes and optimizer again in this process: step time, MFU, peak memory, the first (compiling)
+step's time, and the number of compiled graphs and graph breaks. FLOPs come
 from ``k3train.training.flops`` (KDA, MLA and active-expert aware), so MFU here is the same
 figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s) and against
 the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). Writes JSON.
@@ -45,7 +48,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="train_step.json")
-    ap.add_argument("--profile", action="store_true", help="also profile two steps (kernels by kind and time)")
+    ap.add_argument("--compile", action="store_true",
+                    help="then compile each layer as train.compile does and time the same model again")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile two steps (kernels by kind and time), of the last variant timed")
     args = ap.parse_args()
 
     cfg = model_config(args.model)
@@ -82,31 +88,61 @@ def main() -> None:
         events.append(marks)
         return loss.detach()
 
-    for _ in range(args.warmup):
+    def measure(variant: str) -> dict:
+        """Warm-up steps (the first one timed on its own: it compiles), then ``args.steps`` timed."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    events.clear()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
-    phase_ms = {name: sum(m[name][0].elapsed_time(m[name][1]) for m in events) / len(events) for name in phases}
-    qb_ms = phase_ms["qb"]
-    tok = args.batch * args.seq
-    tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        for _ in range(args.warmup - 1):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        events.clear()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / args.steps
+        phase_ms = {name: sum(m[name][0].elapsed_time(m[name][1]) for m in events) / len(events) for name in phases}
+        tok = args.batch * args.seq
+        tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
+        return {"variant": variant, "step_ms": dt * 1e3, "tokens_per_s": tok / dt, "model_tflops": tflops,
+                "mfu_datasheet": tflops / DATASHEET_TFLOPS, "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS,
+                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
+                "qb_ms": phase_ms["qb"], "qb_share": phase_ms["qb"] / (dt * 1e3), "phase_ms": phase_ms,
+                "first_step_s": first_s}
+
+    rows = [measure("eager")]
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        from k3train.training.compile import compile_layers
+
+        compile_layers(model)
+        compiled = measure("compiled")
+        compiled["compile_s"] = compiled["first_step_s"] - rows[0]["step_ms"] / 1e3  # the first step's excess
+        compiled["graphs"] = counters["stats"]["unique_graphs"]
+        compiled["graph_breaks"] = sum(counters["graph_break"].values())
+        rows.append(compiled)
+    print(f"{'model':>12} {'variant':>9} {'B×T':>10} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU(989)':>9} "
+          f"{'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'1st step s':>10}")
+    for r in rows:
+        print(f"{args.model:>12} {r['variant']:>9} {args.batch}×{args.seq:<7} {r['step_ms']:>9.1f} "
+              f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>8.1f} {r['mfu_datasheet']:>9.1%} "
+              f"{r['mfu_measured_gemm']:>9.1%} {r['peak_mem_gb']:>7.1f} {r['qb_ms']:>6.2f} {r['first_step_s']:>10.1f}")
+    for r in rows:
+        print(f"{r['variant']} phases (GPU time between events, ms): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items()))
+    if args.compile:
+        c = rows[1]
+        print(f"compiled: {c['graphs']} layer graphs, {c['graph_breaks']} graph breaks, compile ≈ {c['compile_s']:.0f} s "
+              f"(first step minus an eager step); step {rows[0]['step_ms'] / c['step_ms']:.2f}x eager")
     row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": "bf16 autocast, fp32 params",
-           "gpu": torch.cuda.get_device_name(), "step_ms": dt * 1e3, "tokens_per_s": tok / dt,
-           "model_tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS,
-           "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
-           "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
-    print(f"{'model':>12} {'B×T':>10} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU(989)':>9} "
-          f"{'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    print(f"{args.model:>12} {args.batch}×{args.seq:<7} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} "
-          f"{tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
-    print("phases (GPU time between events, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()))
+           "gpu": torch.cuda.get_device_name(), **rows[0]}
+    if args.compile:
+        row["compiled"] = rows[1]
     if args.profile:
         row["profile"] = profile(step)
     Path(args.json).write_text(json.dumps(row, indent=2))
