@@ -1,12 +1,16 @@
 """The fused passes around Newton–Schulz (kernels/newton_schulz/muon_passes.py): the Triton kernels
-(CPU: Triton's interpreter, switched on by tests/conftest.py) equal the torch path."""
+(CPU: Triton's interpreter, switched on by tests/conftest.py) equal the torch path, and K3Muon takes
+the same steps with either."""
 
 import os
 
 import pytest
 import torch
 
+from k3train.config.schema import OptimConfig
+from k3train.optim.muon import build_muon
 from kernels.newton_schulz.muon_passes import apply_update, nesterov_into
+from standins import StandInModel
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 triton_here = pytest.mark.skipif(
@@ -53,3 +57,22 @@ def test_triton_passes_equal_torch(shape, transposed, gdt, sdt, nesterov):
     torch.testing.assert_close(sums[0], upd.double().square().sum().float(), rtol=1e-5, atol=0)
     torch.testing.assert_close(sums[0], sums[1], rtol=1e-5, atol=0)
 
+
+@triton_here
+def test_k3muon_steps_equal_with_triton_and_torch_passes():
+    """Per-head, whole, expert and tall (transposed into the stack) blocks, two steps, wd on."""
+    models = [StandInModel(seed=6).to(DEV) for _ in range(2)]
+    opts = [build_muon(m.named_parameters(), OptimConfig(lr=0.02, weight_decay=0.1), elementwise_backend=be)
+            for m, be in zip(models, ("triton", "torch"))]
+    for s in (1, 2):
+        for m, o in zip(models, opts):
+            m.set_grads(s)
+            o.step()
+    for (n, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    for p in models[0].parameters():
+        if "momentum_buffer" in opts[0].state[p]:
+            q = dict(zip(models[0].parameters(), models[1].parameters()))[p]
+            torch.testing.assert_close(opts[0].state[p]["momentum_buffer"], opts[1].state[q]["momentum_buffer"])
+    r0, r1 = (float(o.last_step_info["update_rms"]) for o in opts)
+    assert abs(r0 - r1) < 1e-5 * r1 and 0.1 < r0 < 0.3, (r0, r1)
