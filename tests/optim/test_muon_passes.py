@@ -71,11 +71,13 @@ def test_k3muon_steps_equal_with_triton_and_torch_passes():
         for m, o in zip(models, opts):
             m.set_grads(s)
             o.step()
+    # CUDA: the NS stack is bf16, where an ulp of difference in fp32 can flip a rounding
+    tol = 1e-5 if DEV == "cpu" else 1e-4
     for (n, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol / 10, msg=n)
     for p in models[0].parameters():
         if "momentum_buffer" in opts[0].state[p]:
             q = dict(zip(models[0].parameters(), models[1].parameters()))[p]
             torch.testing.assert_close(opts[0].state[p]["momentum_buffer"], opts[1].state[q]["momentum_buffer"])
     r0, r1 = (float(o.last_step_info["update_rms"]) for o in opts)
-    assert abs(r0 - r1) < 1e-5 * r1 and 0.1 < r0 < 0.3, (r0, r1)
+    assert abs(r0 - r1) < tol * r1 and 0.1 < r0 < 0.3, (r0, r1)
