@@ -4,7 +4,8 @@ What is saved:
 - model parameters and buffers (QB router biases included) as ``ShardedTensor``s with their
   global shapes, so a checkpoint written at one TP size loads at another;
 - optimizer state tensors shaped like their parameter, sharded the same way; the rest of the
-  optimizer state (step counters, hyper-parameters) as common state;
+  optimizer state (step counters, hyper-parameters, and any extra top-level entries of the
+  optimizer's state dict, e.g. K3Muon's ``k3_muon`` skipped-step counter) as common state;
 - scheduler, data position, step and the model config as common state;
 - each rank's RNG states as a per-rank ``ShardedObject`` (restored when the world size is unchanged).
 
@@ -112,6 +113,7 @@ def _optimizer_common(optimizer: torch.optim.Optimizer, names: dict[int, str], g
                                        for p in g["params"]},
         "optimizer_other": {names[id(params[i])]: v for i, v in opt_other.items()},
         "optimizer_param_groups": opt_sd["param_groups"],
+        "optimizer_extra": {k: v for k, v in opt_sd.items() if k not in ("state", "param_groups")},
     }
     if groups.pp_size == 1:
         return local
@@ -119,7 +121,8 @@ def _optimizer_common(optimizer: torch.optim.Optimizer, names: dict[int, str], g
     dist.all_gather_object(stages, local, group=groups.pp)
     merged = {"optimizer_tensor_keys": sorted({k for s in stages for k in s["optimizer_tensor_keys"]}),
               "optimizer_param_names": [n for s in stages for n in s["optimizer_param_names"]],
-              "optimizer_param_group_keys": {}, "optimizer_other": {}, "optimizer_param_groups": []}
+              "optimizer_param_group_keys": {}, "optimizer_other": {}, "optimizer_param_groups": [],
+              "optimizer_extra": local["optimizer_extra"]}
     seen = set()
     for stage in stages:
         merged["optimizer_param_group_keys"].update(stage["optimizer_param_group_keys"])
@@ -327,7 +330,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     for i, g in enumerate(optimizer.state_dict()["param_groups"]):
         kept = {k: g[k] for k in ("params", "names") if k in g}
         param_groups.append({**saved_groups[_group_key(g, i)], **kept})
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    optimizer.load_state_dict({**common.get("optimizer_extra", {}), "state": state, "param_groups": param_groups})
     scheduler.load_state_dict(common["scheduler"])
     if "rng" in loaded:  # per-rank RNG streams only carry over to the same number of ranks
         _set_rng_state(loaded["rng"])
