@@ -3,7 +3,9 @@
     python benchmarks/train_step.py --model k3_bench_1b --batch 2 --seq 4096 --steps 10
 
 One step = forward + backward of one micro-batch under bf16 autocast + AdamW + Quantile Balancing
-(the trainer's per-step bias update). Per-phase GPU times (forward, backward, optimizer, QB) come
+(the trainer's per-step bias update). ``--params bf16`` (the trainer's default on GPU,
+``precision.params``) holds bf16 model weights with fp32 main weights and gradients, as the trainer
+does (``MainParams``, ``GradBuffers``); ``--params fp32`` keeps fp32 weights that autocast casts. Per-phase GPU times (forward, backward, optimizer, QB) come
 from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
 prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
 kernels grouped by kind and the top kernels by GPU time. FLOPs come
@@ -24,6 +26,8 @@ import torch
 from k3train.config.schema import ModelConfig, OptimConfig
 from k3train.model.k3 import K3Model
 from k3train.optim.builder import build_optimizer
+from k3train.parallel.grad_buffers import GradBuffers
+from k3train.precision.main_params import MainParams
 from k3train.training.flops import train_flops_per_token
 
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
@@ -45,6 +49,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="train_step.json")
+    ap.add_argument("--params", choices=("bf16", "fp32"), default="bf16",
+                    help="parameter storage (precision.params): bf16 with fp32 main weights, or fp32")
     ap.add_argument("--profile", action="store_true", help="also profile two steps (kernels by kind and time)")
     args = ap.parse_args()
 
@@ -52,6 +58,8 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device("cuda")
     model = K3Model(cfg).to(device)
+    main = MainParams(model, torch.bfloat16 if args.params == "bf16" else torch.float32)
+    grads = GradBuffers(model, None)
     opt = build_optimizer(model, OptimConfig(lr=1e-4))
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -63,7 +71,7 @@ def main() -> None:
     def step() -> torch.Tensor:
         marks = {name: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                  for name in phases}
-        opt.zero_grad(set_to_none=True)
+        grads.zero()
         marks["forward"][0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, labels=y)
@@ -73,6 +81,7 @@ def main() -> None:
         marks["backward"][1].record()
         marks["optimizer"][0].record()
         opt.step()
+        main.sync_model()
         marks["optimizer"][1].record()
         marks["qb"][0].record()
         for layer in moe:
@@ -96,7 +105,7 @@ def main() -> None:
     qb_ms = phase_ms["qb"]
     tok = args.batch * args.seq
     tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
-    row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": "bf16 autocast, fp32 params",
+    row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": f"bf16 autocast, {args.params} params",
            "gpu": torch.cuda.get_device_name(), "step_ms": dt * 1e3, "tokens_per_s": tok / dt,
            "model_tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS,
            "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS,
@@ -106,7 +115,7 @@ def main() -> None:
           f"{'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
     print(f"{args.model:>12} {args.batch}×{args.seq:<7} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} "
           f"{tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
-    print("phases (GPU time between events, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()))
+    print(f"{args.params} params; phases (GPU time between events, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()))
     if args.profile:
         row["profile"] = profile(step)
     Path(args.json).write_text(json.dumps(row, indent=2))
