@@ -1,9 +1,9 @@
-"""Subprocess probe for test_checkpoint_threads: k3_tiny steps before and after a checkpoint save.
+"""Subprocess probe for test_checkpoint_threads: k3_tiny steps before and after a checkpoint save and load.
 
-Run as ``python step_time_probe.py OUT_DIR STEPS`` with ``OMP_NUM_THREADS=2``; prints one JSON line.
-A fresh process, so no earlier test has touched the OpenMP pools. Per step it records the wall time and
-the voluntary context switches (sleeps) of the intra-op pool's worker threads: the OS threads that the
-first parallel op starts.
+Run as ``python step_time_probe.py OUT_DIR STEPS``; prints one JSON line. A fresh process (no earlier
+test has touched its OpenMP pools) on 2 cores with 2 intra-op threads, where the slowdown showed. Per
+step it records the wall time and the voluntary context switches (sleeps) of the intra-op pool's
+worker threads: the OS threads that the first parallel op starts.
 """
 
 import json
@@ -36,9 +36,10 @@ def _steps(trainer, workers: set[str], n: int) -> tuple[list[float], list[int]]:
 
 
 def main() -> None:
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # libgomp counts these cores at start-up
     import torch
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(2)
     before_pool = _tasks()
     torch.ones(1 << 20).add_(1)  # a parallel op starts the intra-op pool
     workers = _tasks() - before_pool
@@ -57,8 +58,14 @@ def main() -> None:
     trainer.save()
     tasks_after = len(_tasks())
     after, sleeps_after = _steps(trainer, workers, n)
-    print(json.dumps({"workers": len(workers), "before": before, "after": after, "sleeps_before": sleeps_before,
-                      "sleeps_after": sleeps_after, "threads_after": torch.get_num_threads(),
+    # A resumed run: a new process group (gloo threads that have run no collective yet) loads the checkpoint.
+    trainer.lock.release()
+    destroy_parallel()
+    resumed = Trainer(cfg)
+    after_load, sleeps_after_load = _steps(resumed, workers, n)
+    print(json.dumps({"workers": len(workers), "before": before, "after": after, "after_load": after_load,
+                      "sleeps_before": sleeps_before, "sleeps_after": sleeps_after,
+                      "sleeps_after_load": sleeps_after_load, "threads_after": torch.get_num_threads(),
                       "tasks_before": tasks_before, "tasks_after": tasks_after}), flush=True)
     destroy_parallel()
 
