@@ -4,8 +4,9 @@
 
 For each weight set it saves ``--model`` as one of our checkpoints, exports it with
 ``k3train.convert`` (``--experts bf16|mxfp4``) into a temporary folder, reads the written
-safetensors back with plain ``safetensors`` and runs, on ``--batch`` x ``--seq`` random tokens
-packed into ``--docs`` documents per row, four forwards: ours and ``k3train.convert.hf_reference``
+safetensors back with plain ``safetensors`` and runs, on ``--batch`` x ``--seq`` tokens (random ids
+packed into ``--docs`` documents per row, or with ``--tokens corpus`` a window of the embedded default
+corpus, the in-distribution input of a checkpoint trained on it), four forwards: ours and ``k3train.convert.hf_reference``
 each in fp32 and in bf16. It compares the logits over all positions (cosine, relative Frobenius
 error, worst position, top-1 agreement) for four pairs, prints a table and writes JSON:
 
@@ -143,6 +144,25 @@ def packed_batch(batch: int, seq: int, docs: int, vocab: int, seed: int) -> tupl
     return tokens, pos
 
 
+def corpus_batch(batch: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] tokens of the embedded default corpus (the data a default run trains on; built once),
+    from a seeded offset, and position ids restarting after every end-of-document token."""
+    import numpy as np
+
+    from k3train.data.default_corpus import ensure_default_dataset
+
+    prefix, _ = ensure_default_dataset(None, min(vocab, 512), progress=False)
+    meta = json.loads(Path(f"{prefix}.meta.json").read_text())
+    data = np.memmap(f"{prefix}.bin", dtype=np.dtype(meta["dtype"]), mode="r")
+    start = int(torch.randint(0, len(data) - batch * seq, (1,), generator=torch.Generator().manual_seed(seed)))
+    tokens = torch.from_numpy(data[start:start + batch * seq].astype(np.int64)).view(batch, seq)
+    pos = torch.arange(seq).repeat(batch, 1)
+    for row, toks in zip(pos, tokens):
+        for i in (toks[:-1] == meta["eod"]).nonzero().flatten().tolist():
+            row[i + 1:] -= int(row[i + 1])
+    return tokens, pos
+
+
 def compare(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     a, b = ours.double().flatten(0, -2), ref.double().flatten(0, -2)  # [positions, V]
     return {"cosine": float((a * b).sum() / (a.norm() * b.norm())),
@@ -174,7 +194,9 @@ def check(weights: str, args, device: torch.device) -> dict:
     model, t_build = timed(lambda: build_model(weights, args.model, args.seed, args.experts == "mxfp4"), device)
     model.to(device)
     cfg = model.cfg
-    tokens, pos = (t.to(device) for t in packed_batch(args.batch, args.seq, args.docs, cfg.vocab_size, args.seed))
+    make = corpus_batch(args.batch, args.seq, cfg.vocab_size, args.seed) if args.tokens == "corpus" else \
+        packed_batch(args.batch, args.seq, args.docs, cfg.vocab_size, args.seed)
+    tokens, pos = (t.to(device) for t in make)
     with tempfile.TemporaryDirectory(prefix="hf_reference_check_") as tmp:
         def export() -> None:
             export_hf(save_checkpoint(model, Path(tmp) / "ours"), Path(tmp) / "hf", args.experts, progress=False)
@@ -193,7 +215,7 @@ def check(weights: str, args, device: torch.device) -> dict:
                 lambda: reference_logits(tensors, text, tokens, pos, dtype), device)
     pairs = {name: compare(logits[a], logits[b]) for name, a, b in PAIRS}
     return {"weights": weights, "model": cfg.name, "experts": args.experts, "batch": args.batch, "seq": args.seq,
-            "docs": args.docs, "pairs": pairs, **gates(pairs, args.min_cosine, args.max_floor_ratio),
+            "tokens": args.tokens, "docs": args.docs, "pairs": pairs, **gates(pairs, args.min_cosine, args.max_floor_ratio),
             "build_s": t_build, "save_export_s": t_export, **{f"{k}_s": v for k, v in seconds.items()}}
 
 
@@ -217,7 +239,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--experts", choices=["bf16", "mxfp4"], default="bf16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--docs", type=int, default=3, help="packed documents per row (1: none)")
+    ap.add_argument("--tokens", choices=["random", "corpus"], default="random",
+                    help="random ids packed into --docs documents, or a window of the embedded default corpus "
+                         "(the in-distribution input for a checkpoint trained on it)")
+    ap.add_argument("--docs", type=int, default=3, help="packed documents per row with --tokens random (1: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-cosine", type=float, default=0.9999)
     ap.add_argument("--max-floor-ratio", type=float, default=4.0)
@@ -226,7 +251,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     rows = [check(w, args, device) for w in args.weights.split(",")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"hf_reference_check on {name}, {args.batch}x{args.seq} tokens, {args.docs} docs/row, experts {args.experts}")
+    docs = "corpus text" if args.tokens == "corpus" else f"random ids, {args.docs} docs/row"
+    print(f"hf_reference_check on {name}, {args.batch}x{args.seq} tokens ({docs}), experts {args.experts}")
     print_table(rows, args.min_cosine, args.max_floor_ratio)
     Path(args.json).write_text(json.dumps({"device": name, "min_cosine": args.min_cosine,
                                            "max_floor_ratio": args.max_floor_ratio, "rows": rows}, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Optimizer step time on k3_bench_1b's parameters: per-head Muon, whole-matrix Muon, fused AdamW.
 
-    python benchmarks/muon.py [--steps 20] [--warmup 3] [--json out.json] [--no-triton]
+    python benchmarks/muon.py [--steps 10] [--warmup 3] [--json out.json] [--no-profile]
 
 One process, one GPU. Parameters are fp32 (master weights) with random fp32 gradients;
 shapes and roles are K3_SPEC.md §5's bench-1B column, laid out as ``k3train.model`` does
@@ -8,11 +8,17 @@ shapes and roles are K3_SPEC.md §5's bench-1B column, laid out as ``k3train.mod
 ``--check-model`` compares the table with ``K3Model`` built on the meta device.
 
 Prints, then writes as JSON:
-1. optimizer step time (median over ``--steps`` timed steps after ``--warmup``), for
-   torch fused AdamW, per-head Muon and whole-matrix Muon, each with the torch (bmm) and
-   the fused Triton Newton–Schulz;
-2. Newton–Schulz alone per block-shape bucket, bmm vs Triton, with TFLOP/s;
-3. the NS work of the most loaded rank when the buckets are split over DP ranks.
+1. optimizer step time (median over ``--steps`` timed steps after ``--warmup``) for torch fused
+   AdamW and per-head Muon (default; with the torch elementwise passes; with bmm NS only; with
+   NS replaced by a cast) and whole-matrix Muon, each as a multiple of fused AdamW in the same
+   run, with the step's floor: its bytes at fused AdamW's bandwidth plus its NS FLOPs at the
+   bf16 GEMM ceiling;
+2. Newton–Schulz alone per block-shape bucket (bf16 input, as the optimizer's stack), bmm vs
+   Triton, with TFLOP/s; then the three GEMMs of one NS step on the expert bucket, and that
+   bucket in chunks;
+3. the NS work of the most loaded rank when the buckets are split over DP ranks;
+4. a profile of one default per-head Muon step: GPU busy vs wall time, kernels by kind and the
+   top kernels (``benchmarks/train_step.py``'s profiler).
 
 Imports only torch/triton and k3train's light modules (no megatron-core, no hydra).
 """
@@ -31,8 +37,8 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from k3train.model.roles import Kind, ParamRole  # noqa: E402
-from k3train.optim.muon import NS_CALL_OVERHEAD, _Bucket, assign_blocks, build_muon  # noqa: E402
-from k3train.optim.newton_schulz import muon_update_scale, newton_schulz  # noqa: E402
+from k3train.optim.muon import NS_CALL_OVERHEAD, _Bucket, assign_blocks, build_muon, ns_backend  # noqa: E402
+from k3train.optim.newton_schulz import NS_COEFFS, default_ns_dtype, muon_update_scale, newton_schulz  # noqa: E402
 from k3train.optim.param_groups import muon_spec, split_params  # noqa: E402
 
 M, EMB, HEAD, NORM, PQ, GATE, CONV, EXP = (Kind.MATRIX, Kind.EMBEDDING, Kind.LM_HEAD, Kind.NORM,
@@ -161,10 +167,11 @@ def ns_flops(n_blocks, m, n, steps=5) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None, help="write results here (default: $OUT/muon_bench.json when $OUT is set)")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--no-profile", action="store_true", help="skip section 4 (the profiled step)")
     ap.add_argument("--check-model", action="store_true", help="compare the shape table with K3Model on meta and exit")
     ap.add_argument("--cpu-dry-run", action="store_true", help="exercise the script on CPU (vocab 1024, 4 experts)")
     args = ap.parse_args()
@@ -179,7 +186,7 @@ def main() -> int:
         args.steps, args.warmup = 1, 1
         torch.set_num_threads(1)
     res = {"gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (dry run)", "torch": torch.__version__, "model": "k3_bench_1b",
-           "param_dtype": "float32", "ns_dtype": "bfloat16"}
+           "param_dtype": "float32"}
     try:
         import triton
 
@@ -192,12 +199,24 @@ def main() -> int:
         newton_schulz_triton = None
     print(f"GPU {res['gpu']}  torch {torch.__version__}  triton {res.get('triton')}", flush=True)
 
+    ns_dtype = default_ns_dtype(dev)
+    res["ns_dtype"] = str(ns_dtype)
     named = make_params(dev, small=args.cpu_dry_run)
     nparams = sum(p.numel() for _, p in named)
     split = split_params(named)
     res["params"] = nparams
     res["muon_params"] = sum(p.numel() for _, p in split.muon)
     print(f"k3_bench_1b: {nparams:,} params, {res['muon_params']:,} in Muon", flush=True)
+
+    def buckets_for(per_head_groups):
+        """[((m, n), blocks)]: K3Muon's NS calls (one per wide block shape) at DP = 1."""
+        shapes = {}
+        for name, p in split.muon:
+            spec = muon_spec(name, p, p.k3_role, per_head_groups)
+            shapes[spec.canonical_shape] = shapes.get(spec.canonical_shape, 0) + spec.num_blocks
+        return sorted(shapes.items(), key=lambda kv: -ns_flops(kv[1], *kv[0]))
+
+    ph_buckets = buckets_for(["kda_qkv", "mla_q_b", "mla_kv_b"])
 
     # ---- 1. full optimizer steps ---------------------------------------------------
     rows = []
@@ -222,7 +241,7 @@ def main() -> int:
             row["ns_blocks"] = opt.last_step_info["ns_blocks_total"]
             row["buckets"] = len(opt.last_step_info["buckets"])
         rows.append(row)
-        print(f"{label:34s} {med:8.2f} ms  (min {min(times):.2f}, max {max(times):.2f})", flush=True)
+        print(f"{label:42s} {med:8.2f} ms  (min {min(times):.2f}, max {max(times):.2f})", flush=True)
         del opt
         return med
 
@@ -236,34 +255,32 @@ def main() -> int:
                   per_head_groups=["kda_qkv", "mla_q_b", "mla_kv_b"])
     cfg_whole = dict(cfg_ph, per_head_groups=[])
     base = bench("torch fused AdamW (all params)", adamw)
-    bench("per-head Muon + AdamW (bmm NS)", lambda: build_muon(named, cfg_ph))
-    bench("whole-matrix Muon + AdamW (bmm NS)", lambda: build_muon(named, cfg_whole))
+    ns_auto = ns_backend("torch" if newton_schulz_triton is None else "auto")
+    bench("per-head Muon (default)", lambda: build_muon(named, cfg_ph, ns_fn=ns_auto))
+    bench("per-head Muon, torch elementwise passes",
+          lambda: build_muon(named, cfg_ph, ns_fn=ns_auto, elementwise_backend="torch"))
+    bench("per-head Muon, bmm NS only", lambda: build_muon(named, cfg_ph, ns_fn=newton_schulz))
     bench("per-head Muon, NS replaced by a cast", lambda: build_muon(named, cfg_ph, ns_fn=_no_ns))
-    bench("per-head Muon, expert stacks separate", lambda: build_muon(named, cfg_ph, stack_max_blocks=64))
-    if newton_schulz_triton is not None:
-        bench("per-head Muon + AdamW (Triton NS)", lambda: build_muon(named, cfg_ph, ns_fn=newton_schulz_triton))
-        bench("whole-matrix Muon + AdamW (Triton NS)", lambda: build_muon(named, cfg_whole, ns_fn=newton_schulz_triton))
+    bench("whole-matrix Muon (default)", lambda: build_muon(named, cfg_whole, ns_fn=ns_auto))
     for r in rows:
         if base and "median_ms" in r:
             r["x_fused_adamw"] = r["median_ms"] / base
     adam_bytes = nparams * 28  # read p, g, m, v; write p, m, v (fp32)
     res["adamw_gb_per_s"] = adam_bytes / (base * 1e-3) / 1e9 if base else None
     res["steps"] = rows
+    # Floor of the per-head Muon step: its unavoidable bytes at fused AdamW's bandwidth plus its NS FLOPs at
+    # the bf16 GEMM ceiling (/work/shared/ANCHORS.md: 694 TFLOP/s on the lent H200). Bytes: the non-finite
+    # check reads every fp32 gradient (4 B), AdamW 28 B per parameter, Muon 24 B (g, m read; m written;
+    # bf16 NS input written; p read and written; bf16 update read).
+    n_muon = res["muon_params"]
+    floor_gb = (4 * nparams + 28 * (nparams - n_muon) + 24 * n_muon) / 1e9
+    ns_tflop = sum(ns_flops(nb, m, n) for (m, n), nb in ph_buckets) / 1e12
+    if base:
+        floor_ms = floor_gb / res["adamw_gb_per_s"] * 1e3 + ns_tflop / 694.0 * 1e3
+        res["floor"] = {"bytes_gb": floor_gb, "ns_tflop": ns_tflop, "ms": floor_ms, "x_fused_adamw": floor_ms / base}
 
     # ---- 2. Newton–Schulz alone, per bucket ------------------------------------------
-    def buckets_for(per_head_groups):
-        shapes = {}
-        for name, p in split.muon:
-            s = muon_spec(name, p, p.k3_role, per_head_groups)
-            key = s.canonical_shape
-            k = key  # K3Muon's default: one batch per block shape
-            shapes.setdefault(k, [key, 0])[1] += s.num_blocks
-        return [(v[0], v[1]) for v in shapes.values()]
-
     ns_rows = []
-    calls = {}  # (m, n, batch) -> NS calls of that size per optimizer step
-    for (m, n), nb in buckets_for(cfg_ph["per_head_groups"]):
-        calls[(m, n, nb)] = calls.get((m, n, nb), 0) + 1
     if dev.type == "cuda":
         from triton.testing import do_bench
     else:
@@ -271,18 +288,17 @@ def main() -> int:
         def do_bench(fn, warmup=0, rep=0, return_mode="median"):
             return statistics.median(cuda_time_steps(fn, 1, 0))
 
-    print("\nNewton-Schulz alone (bf16, 5 steps), per call shape; per-head config", flush=True)
-    print(f"{'block':>11s} {'batch':>6s} {'calls':>5s} {'bmm ms':>8s} {'TF/s':>6s} {'triton ms':>10s} {'TF/s':>6s} "
-          f"{'rel diff':>9s}")
+    print("\nNewton-Schulz alone (bf16 input as the optimizer's stack, 5 steps), one call per block shape; "
+          "per-head config", flush=True)
+    print(f"{'block':>11s} {'batch':>6s} {'bmm ms':>8s} {'TF/s':>6s} {'triton ms':>10s} {'TF/s':>6s} {'rel diff':>9s}")
     tot_bmm = tot_best = 0.0
-    for (m, n, nb), ncall in sorted(calls.items(), key=lambda kv: -kv[0][0] * kv[0][0] * kv[0][1] * kv[0][2] * kv[1]):
-        G = torch.randn(nb, m, n, device=dev)
+    for (m, n), nb in ph_buckets:
+        G = torch.randn(nb, m, n, device=dev, dtype=ns_dtype)
         sc = muon_update_scale(m, n)
         t_bmm = do_bench(lambda: newton_schulz(G, scale=sc), warmup=10, rep=40, return_mode="median")
-        row = {"block": [m, n], "batch": nb, "calls_per_step": ncall, "bmm_ms": t_bmm,
-               "bmm_tflops": ns_flops(nb, m, n) / t_bmm / 1e9}
+        row = {"block": [m, n], "batch": nb, "bmm_ms": t_bmm, "bmm_tflops": ns_flops(nb, m, n) / t_bmm / 1e9}
         best = t_bmm
-        line = f"{m:>4d}x{n:<6d} {nb:>6d} {ncall:>5d} {t_bmm:8.3f} {row['bmm_tflops']:6.0f}"
+        line = f"{m:>4d}x{n:<6d} {nb:>6d} {t_bmm:8.3f} {row['bmm_tflops']:6.0f}"
         if newton_schulz_triton is not None and m <= 128 and dev.type == "cuda":
             try:
                 out_t = newton_schulz_triton(G, scale=sc)
@@ -295,8 +311,8 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001
                 row["triton_error"] = repr(exc)
                 line += f"   triton failed: {exc!r}"[:150]
-        tot_bmm += ncall * t_bmm
-        tot_best += ncall * best
+        tot_bmm += t_bmm
+        tot_best += best
         ns_rows.append(row)
         print(line, flush=True)
         del G
@@ -305,9 +321,37 @@ def main() -> int:
     res["ns_total_best_ms"] = tot_best
     res["ns_buckets"] = ns_rows
 
+    # ---- 2b. the biggest bucket: one NS step's GEMMs, and the whole NS in chunks -------
+    (m, n), nb = ph_buckets[0]
+    X = torch.randn(nb, m, n, device=dev, dtype=ns_dtype) / (m * n) ** 0.5
+    a, b, c = NS_COEFFS
+    A = torch.bmm(X, X.mT)
+    B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+    el = X.element_size()
+    gemms = [("A = X X^T", lambda: torch.bmm(X, X.mT), 2 * m * m * n, m * n + m * m),
+             ("B = bA + cA^2 (baddbmm)", lambda: torch.baddbmm(A, A, A, beta=b, alpha=c), 2 * m ** 3, 3 * m * m),
+             ("X' = aX + BX (baddbmm)", lambda: torch.baddbmm(X, B, X, beta=a), 2 * m * m * n, m * m + 3 * m * n),
+             ("X' = B X (bmm, no C read)", lambda: torch.bmm(B, X), 2 * m * m * n, m * m + 2 * m * n)]
+    print(f"\none NS step's GEMMs on the biggest bucket [{nb}, {m}, {n}] (GB/s: operands + output once each)")
+    anatomy = []
+    for label, fn, flops, elems in gemms:
+        t = do_bench(fn, warmup=10, rep=40, return_mode="median")
+        anatomy.append({"gemm": label, "ms": t, "tflops": nb * flops / t / 1e9, "gb_per_s": nb * elems * el / t / 1e6})
+        print(f"  {label:28s} {t:7.3f} ms {anatomy[-1]['tflops']:6.0f} TF/s {anatomy[-1]['gb_per_s']:6.0f} GB/s")
+    sc = muon_update_scale(m, n)
+    for chunk in (nb, 1024, 256):
+        if chunk > nb:
+            continue
+        t = do_bench(lambda: [newton_schulz(X[i:i + chunk], scale=sc) for i in range(0, nb, chunk)],
+                     warmup=5, rep=40, return_mode="median")
+        anatomy.append({"ns_chunk_blocks": chunk, "ms": t})
+        print(f"  whole NS (bmm) in chunks of {chunk:5d} blocks: {t:7.3f} ms")
+    res["biggest_bucket_anatomy"] = anatomy
+    del X, A, B
+
     # ---- 3. NS work of the most loaded DP rank -----------------------------------------
-    bl = [(_Bucket(shape, 5, [0], [nb])) for shape, nb in buckets_for(cfg_ph["per_head_groups"])]
-    data = [torch.randn(b.num_blocks, *b.shape, device=dev) for b in bl]
+    bl = [(_Bucket(shape, 5, [0], [nb])) for shape, nb in ph_buckets]
+    data = [torch.randn(b.num_blocks, *b.shape, device=dev, dtype=ns_dtype) for b in bl]
     dp_rows = []
     print("\nper-rank Newton-Schulz time when blocks are spread over DP ranks (per-head config, bmm)")
     def even_split(buckets, dp):  # the first plan: every bucket cut over all ranks
@@ -334,15 +378,29 @@ def main() -> int:
               f"bucket evenly", flush=True)
     res["dp_ns"] = dp_rows
 
+    # ---- 4. profile of one default per-head Muon step ------------------------------------
+    if dev.type == "cuda" and not args.no_profile:
+        from train_step import profile  # benchmarks/ is this script's directory
+
+        print("\nprofile of the default per-head Muon step")
+        opt = build_muon(named, cfg_ph, ns_fn=ns_auto)
+        opt.step()
+        res["profile"] = profile(opt.step)
+        del opt
+
     # ---- table ------------------------------------------------------------------------
     print(f"\n== k3_bench_1b optimizer step on {res['gpu']} ({nparams / 1e9:.3f}B fp32 params) ==")
-    print(f"{'variant':36s} {'median ms':>10s} {'x AdamW':>8s} {'peak GB':>8s}")
+    print(f"{'variant':42s} {'median ms':>10s} {'x AdamW':>8s} {'peak GB':>8s}")
     for r in rows:
         if "median_ms" in r:
-            print(f"{r['variant']:36s} {r['median_ms']:10.2f} {r.get('x_fused_adamw', float('nan')):8.2f} "
+            print(f"{r['variant']:42s} {r['median_ms']:10.2f} {r.get('x_fused_adamw', float('nan')):8.2f} "
                   f"{r['peak_mem_gb']:8.1f}")
         else:
-            print(f"{r['variant']:36s} FAILED")
+            print(f"{r['variant']:42s} FAILED")
+    if "floor" in res:
+        f = res["floor"]
+        print(f"{'floor of per-head Muon (bytes + NS FLOPs)':42s} {f['ms']:10.2f} {f['x_fused_adamw']:8.2f}"
+              f"   ({f['bytes_gb']:.1f} GB at fused AdamW's rate + {f['ns_tflop']:.2f} TFLOP at 694 TFLOP/s)")
     if res["adamw_gb_per_s"]:
         print(f"fused AdamW moves {res['adamw_gb_per_s']:.0f} GB/s (ceiling measured here: 4200 GB/s)")
     path = args.json or (os.path.join(os.environ["OUT"], "muon_bench.json") if os.environ.get("OUT") else None)

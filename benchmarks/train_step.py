@@ -3,16 +3,19 @@
     python benchmarks/train_step.py --model k3_bench_1b --batch 2 --seq 4096 --steps 10
 
 One step = forward + backward of one micro-batch under bf16 autocast + AdamW + Quantile Balancing
-(the trainer's per-step bias update). Per-phase GPU times (forward, backward, optimizer, QB) come
-from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
-prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
-kernels grouped by kind and the top kernels by GPU time. ``--compile`` then compiles each decoder
-layer in place as ``train.compile`` does (``k3train.training.compile``) and times the same model,
-shapes and optimizer again in this process: step time, MFU, peak memory, the first (compiling)
-step's time, and the number of compiled graphs and graph breaks. FLOPs come
-from ``k3train.training.flops`` (KDA, MLA and active-expert aware), so MFU here is the same
-figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s) and against
-the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). Writes JSON.
+(the trainer's per-step bias update). ``--params bf16`` (the trainer's default on GPU,
+``precision.params``) holds bf16 model weights with fp32 main weights and gradients, as the trainer
+does (``MainParams``, ``GradBuffers``); ``--params fp32`` keeps fp32 weights that autocast casts.
+Per-phase GPU times (forward, backward, optimizer, QB) come from CUDA events around each phase;
+``--profile`` adds a torch profiler pass over two steps that prints GPU busy time against wall time
+(a host-bound step has idle GPU), the kernel count, and the kernels grouped by kind and the top
+kernels by GPU time. ``--compile`` then compiles each decoder layer in place as ``train.compile``
+does (``k3train.training.compile``) and times the same model, shapes and optimizer again in this
+process: step time, MFU, peak memory, the first (compiling) step's time, and the number of compiled
+graphs and graph breaks. FLOPs come from ``k3train.training.flops`` (KDA, MLA and active-expert
+aware), so MFU here is the same figure the trainer logs. MFU is reported against the H200 datasheet
+(989 TFLOP/s) and against the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694
+TFLOP/s). Writes JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 from k3train.config.schema import ModelConfig, OptimConfig
 from k3train.model.k3 import K3Model
 from k3train.optim.builder import build_optimizer
+from k3train.parallel.grad_buffers import GradBuffers
+from k3train.precision.main_params import MainParams
 from k3train.training.flops import train_flops_per_token
 
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
@@ -48,6 +53,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="train_step.json")
+    ap.add_argument("--params", choices=("bf16", "fp32"), default="bf16",
+                    help="parameter storage (precision.params): bf16 with fp32 main weights, or fp32")
     ap.add_argument("--compile", action="store_true",
                     help="then compile each layer as train.compile does and time the same model again")
     ap.add_argument("--profile", action="store_true",
@@ -58,6 +65,8 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device("cuda")
     model = K3Model(cfg).to(device)
+    main = MainParams(model, torch.bfloat16 if args.params == "bf16" else torch.float32)
+    grads = GradBuffers(model, None)
     opt = build_optimizer(model, OptimConfig(lr=1e-4))
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -69,7 +78,7 @@ def main() -> None:
     def step() -> torch.Tensor:
         marks = {name: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                  for name in phases}
-        opt.zero_grad(set_to_none=True)
+        grads.zero()
         marks["forward"][0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, labels=y)
@@ -79,6 +88,7 @@ def main() -> None:
         marks["backward"][1].record()
         marks["optimizer"][0].record()
         opt.step()
+        main.sync_model()
         marks["optimizer"][1].record()
         marks["qb"][0].record()
         for layer in moe:
@@ -133,13 +143,13 @@ def main() -> None:
               f"{r['tokens_per_s']:>9.0f} {r['model_tflops']:>8.1f} {r['mfu_datasheet']:>9.1%} "
               f"{r['mfu_measured_gemm']:>9.1%} {r['peak_mem_gb']:>7.1f} {r['qb_ms']:>6.2f} {r['first_step_s']:>10.1f}")
     for r in rows:
-        print(f"{r['variant']} phases (GPU time between events, ms): "
+        print(f"{r['variant']}, {args.params} params; phases (GPU time between events, ms): "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["phase_ms"].items()))
     if args.compile:
         c = rows[1]
         print(f"compiled: {c['graphs']} layer graphs, {c['graph_breaks']} graph breaks, compile ≈ {c['compile_s']:.0f} s "
               f"(first step minus an eager step); step {rows[0]['step_ms'] / c['step_ms']:.2f}x eager")
-    row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": "bf16 autocast, fp32 params",
+    row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": f"bf16 autocast, {args.params} params",
            "gpu": torch.cuda.get_device_name(), **rows[0]}
     if args.compile:
         row["compiled"] = rows[1]

@@ -13,7 +13,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["model=k3_tiny", "train.device=cpu", "data.seq_len=64", "train.global_batch_size=4",
         "train.micro_batch_size=2", "train.eval_every=0", "logging.wandb=false", "logging.console=false",
-        "optim.lr=3e-3"]
+        "optim.lr=3e-3", "train.deterministic=true"]
 
 
 def train(out_dir: Path, *overrides: str, check: bool = True, base: tuple[str, ...] | list[str] = FAST

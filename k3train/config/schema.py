@@ -138,8 +138,13 @@ PRECISION_RECIPES = ("bf16", "mxfp8", "fp8_block")  # precision.recipe (k3train/
 
 @dataclass
 class PrecisionConfig:
-    # "auto": bf16 on GPU, fp32 on CPU. Or "fp32" / "bf16".
+    # Compute dtype (bf16 autocast or none). "auto": bf16 on GPU, fp32 on CPU. Or "fp32" / "bf16".
     dtype: str = "auto"
+    # Parameter storage (docs/precision.md): "bf16" is Megatron's mixed precision (bf16 model weights; fp32
+    # main weights, main gradients and optimizer state; checkpoints hold the fp32 main weights), "fp32"
+    # keeps fp32 model weights (cast to bf16 by autocast at every use). "auto": bf16 when the compute
+    # dtype is bf16 (GPU), else fp32. bf16 needs a bf16 compute dtype.
+    params: str = "auto"
     # "auto": Transformer Engine when importable, else torch. Or "torch" / "te".
     linear_backend: str = "auto"
     # Quantization-aware training of routed experts (issue 5): MXFP4 weights, MXFP8 inputs.
@@ -171,7 +176,7 @@ class TrainConfig:
     # our checkpoints; ignored when train.resume finds a checkpoint to resume. None: random init.
     init_from: Optional[str] = None
     device: str = "auto"  # "auto", "cpu" or "cuda"
-    deterministic: bool = True
+    deterministic: bool = False  # torch.use_deterministic_algorithms; tests that compare runs set it
     # Guards (docs/operating.md). A step is skipped (no optimizer update) when its loss or gradients are
     # not finite, or on a loss spike with loss_spike_action=skip. The run stops with an error after more
     # than max_consecutive_skips skipped steps in a row; no checkpoint is written during such a streak.

@@ -10,9 +10,7 @@ import dataclasses
 import difflib
 import typing
 
-import torch
-
-from k3train.config.schema import PRECISION_RECIPES, K3Config, ModelConfig
+from k3train.config.schema import PRECISION_RECIPES, K3Config, ModelConfig, PrecisionConfig
 from k3train.parallel.pipeline.layout import layout_error
 
 
@@ -190,6 +188,8 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
 
     pr = cfg.precision
     _need(pr.dtype in ("auto", "fp32", "bf16"), f"precision.dtype={pr.dtype!r}: use auto, fp32 or bf16")
+    _need(pr.params in ("auto", "fp32", "bf16"), f"precision.params={pr.params!r}: use auto, fp32 or bf16")
+    precision_dtypes(pr, _device_type(t.device))
     _need(pr.linear_backend in ("auto", "torch", "megatron", "te"),
           f"precision.linear_backend={pr.linear_backend!r}: use auto, megatron or te")
     _need(pr.recipe in PRECISION_RECIPES,
@@ -209,11 +209,36 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
               f"precision.recipe={pr.recipe}, precision.expert_qat={pr.expert_qat}: train.compile=true is built and "
               f"tested with the plain bf16 GEMMs (precision.recipe=bf16, precision.expert_qat=false); set those or "
               f"train.compile=false")
-        on_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-        bf16 = pr.dtype == "bf16" or (pr.dtype == "auto" and on_gpu)
-        _need(bf16, f"precision.dtype={pr.dtype} with train.device={t.device} runs fp32 activations, and "
-                    f"torch.compile traces the routed experts' grouped GEMM (torch._grouped_mm) in bf16 only; set "
-                    f"precision.dtype=bf16 or train.compile=false")
+        compute, _ = precision_dtypes(pr, _device_type(t.device))
+        _need(compute == "bf16", f"precision.dtype={pr.dtype} with train.device={t.device} runs fp32 activations, "
+                                 f"and torch.compile traces the routed experts' grouped GEMM (torch._grouped_mm) in "
+                                 f"bf16 only; set precision.dtype=bf16 or train.compile=false")
     _need(not (pr.recipe == "fp8_block" and t.device == "cpu"),
           "precision.recipe=fp8_block runs on the GPU only (torch._scaled_mm with block scales); on CPU use "
           "precision.recipe=mxfp8 or bf16")
+
+
+def _device_type(device: str) -> str:
+    """The device type ``train.device`` resolves to (``k3train.parallel.state.pick_device``)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def precision_dtypes(pr: PrecisionConfig, device_type: str) -> tuple[str, str]:
+    """(compute, parameter) dtypes, each "bf16" or "fp32", that ``precision.dtype`` and ``precision.params``
+    mean on ``device_type``: compute "auto" is bf16 on CUDA and fp32 on CPU; parameters "auto" follow the
+    compute dtype. Refused: bf16 parameters under fp32 compute (nothing would cast the fp32 activations for
+    the bf16 weights), and fp32 parameters under bf16 compute on CPU (Megatron-Core's linears restore
+    autocast in their backward on CUDA only, so a bf16 gradient would meet an fp32 weight)."""
+    compute = pr.dtype if pr.dtype != "auto" else ("bf16" if device_type == "cuda" else "fp32")
+    params = pr.params if pr.params != "auto" else compute
+    _need(params == "fp32" or compute == "bf16",
+          f"precision.params=bf16 needs bf16 compute, but precision.dtype={pr.dtype} is fp32 on {device_type}; "
+          f"set precision.dtype=bf16 or precision.params=fp32")
+    _need(not (params == "fp32" and compute == "bf16" and device_type == "cpu"),
+          "precision.params=fp32 with bf16 compute (precision.dtype=bf16) does not run on CPU (Megatron-Core's "
+          "linears restore autocast in the backward on CUDA only); set precision.params=auto or bf16")
+    return compute, params

@@ -67,7 +67,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = tp.row(P, d, what=what)
 
         def sharded(full: torch.Tensor, kind: Kind) -> nn.Parameter:
-            return set_role(nn.Parameter(tp.shard(full, 0)), ParamRole(kind, tp_partition_dim=0))
+            return set_role(nn.Parameter(tp.shard(full, 0)), ParamRole(kind, tp_partition_dim=0, keep_fp32=True))
 
         conv_std = 1.0 / math.sqrt(cfg.kda_conv_size)
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
@@ -75,8 +75,9 @@ class KimiDeltaAttention(nn.Module):
             setattr(self, name, sharded(full, Kind.CONV))
         self.A_log = sharded(torch.zeros(heads), Kind.GATE_PARAM)
         self.dt_bias = sharded(init_dt_bias(P), Kind.GATE_PARAM)
-        # One head-wise RMSNorm gain shared by all heads (replicated under TP).
-        self.o_norm = set_role(nn.Parameter(torch.ones(h)), ParamRole(Kind.NORM))
+        # One head-wise RMSNorm gain shared by all heads (replicated under TP). The spec keeps the conv
+        # weights, A_log, dt_bias and o_norm in fp32, also when the other parameters are bf16.
+        self.o_norm = set_role(nn.Parameter(torch.ones(h)), ParamRole(Kind.NORM, keep_fp32=True))
 
     def forward(self, x: torch.Tensor, docs: Documents) -> torch.Tensor:
         B, T, _ = x.shape

@@ -50,6 +50,10 @@ class ParamRole:
     # The dimension sharded over expert parallelism (the expert dim of a routed-expert stack):
     # gradients are reduced over the expert-data-parallel ranks and norms summed over EP.
     ep_partition_dim: int | None = None
+    # Held in fp32 by the model also when its parameters are bf16 (precision.params=bf16;
+    # k3train/precision/main_params.py): K3_SPEC §2.2 and §4 mark KDA's A_log, dt_bias,
+    # short-conv weights and o_norm fp32.
+    keep_fp32: bool = False
 
     @property
     def no_weight_decay(self) -> bool:

@@ -5,6 +5,9 @@ and its learning-rate schedule.
   (norms, pseudo-queries, gate parameters, vectors).
 - ``muon``: per-head Muon for hidden matrices plus AdamW for the rest (``k3train.optim.muon``).
 
+Either steps the main weights (``k3train.precision.main_params.main_param``): the fp32 copies under
+bf16 parameters, the parameters themselves otherwise.
+
 Schedule: linear warmup over ``warmup_fraction`` of the steps (at least one), then cosine
 decay from ``lr`` to ``lr·min_lr_ratio``.
 """
@@ -19,11 +22,12 @@ from torch import nn
 from k3train.config.schema import OptimConfig
 from k3train.model.roles import require_role
 from k3train.parallel.state import ParallelGroups
+from k3train.precision.main_params import main_param
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: ParallelGroups | None = None
                     ) -> torch.optim.Optimizer:
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(n, main_param(p)) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.name == "muon":
         from k3train.optim.muon import build_muon
 

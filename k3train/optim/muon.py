@@ -12,14 +12,17 @@ one shape from different parameters share a Newton–Schulz call):
 2. TP: matrices that must be orthogonalized whole but are sharded are all-gathered
    (one collective for all of them); column-parallel per-head matrices stay local;
 3. every parameter is viewed as blocks (per head, per expert, or one whole matrix), made
-   wide (m <= n), and blocks of one shape are stacked into one batched NS call;
+   wide (m <= n), and blocks of one shape are stacked into one batched NS call. Steps 1 and
+   3 are one pass per parameter (``kernels/newton_schulz/muon_passes.py``): it reads g and m,
+   writes m and writes u, cast to the NS dtype, straight into the stack;
 4. DP: the shape buckets are spread over the DP ranks (whole small buckets, big ones cut,
    balanced by NS cost, ``assign_blocks``); each rank orthogonalizes its share and one
    all-gather brings all updates to every rank, so per-rank NS work falls with DP. Expert
    stacks sharded over expert parallelism differ between EP ranks, so their buckets are spread
    over ``expert_dp_group`` (the ranks holding the same experts) instead;
 5. ``p <- p (1 - lr wd) - lr * 0.2 sqrt(max(m, n)) * NS(u_block)``, with (m, n) the
-   *block* shape (docs/muon_notes.md explains why).
+   *block* shape (docs/muon_notes.md explains why): one pass per parameter, which also sums
+   the update's squares for ``last_step_info["update_rms"]``.
 
 The caller has already averaged gradients over DP. Every rank keeps the full momentum
 of its (TP-local) parameters, so the optimizer state is that of the 1-rank optimizer.
@@ -42,6 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from kernels.newton_schulz.muon_passes import apply_update, nesterov_into
 from k3train.optim.newton_schulz import default_ns_dtype, muon_update_scale, newton_schulz
 from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params, tp_gather_cat, tp_local_slice
 from k3train.model.roles import get_role, require_role
@@ -68,8 +72,8 @@ class _Item:
     param: torch.Tensor
     group: dict
     spec: MuonSpec
-    grad: torch.Tensor  # in the momentum dtype
-    buf: torch.Tensor  # momentum (already updated this step)
+    grad: torch.Tensor
+    buf: torch.Tensor  # momentum (updated this step by the pass that writes the NS input)
     u: Optional[torch.Tensor] = None  # full-shape NS input, only for TP-gathered parameters
     update: Optional[torch.Tensor] = None  # [num_blocks, m, n] in parameter orientation
 
@@ -138,9 +142,12 @@ class K3Muon(torch.optim.Optimizer):
 
     ``ns_dtype``: Newton–Schulz compute dtype (default bf16 on CUDA, fp32 on CPU).
     ``ns_fn``: a replacement for ``newton_schulz`` with the same signature (e.g. a Triton
-    kernel). All blocks of one shape form one NS batch; their Nesterov momenta are written
-    straight into one contiguous stack (no copy). ``stack_max_blocks`` (default None): a
-    parameter with at least this many blocks (e.g. an expert stack) gets its own batch.
+    kernel). All blocks of one shape form one NS batch, a contiguous stack in the NS dtype.
+    ``stack_max_blocks`` (default None): a parameter with at least this many blocks (e.g. an
+    expert stack) gets its own batch. ``elementwise_backend`` ("auto", "triton", "torch"): the
+    two fused passes around NS (``kernels/newton_schulz/muon_passes.py``): momentum + Nesterov +
+    cast written into the stack, and decay + update + the update's sum of squares; "auto" is
+    Triton on CUDA.
     """
 
     def __init__(
@@ -153,6 +160,7 @@ class K3Muon(torch.optim.Optimizer):
         ns_dtype: Optional[torch.dtype] = None,
         ns_fn: Optional[Callable[..., torch.Tensor]] = None,
         stack_max_blocks: Optional[int] = None,
+        elementwise_backend: str = "auto",
     ):
         defaults = dict(
             optimizer="adamw",
@@ -172,6 +180,7 @@ class K3Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         self.ns_fn = ns_fn or newton_schulz
         self.stack_max_blocks = stack_max_blocks
+        self.elementwise_backend = elementwise_backend
         self.last_step_skipped = False
         self.num_skipped_steps = 0
         self.last_step_info: dict[str, Any] = {}
@@ -313,23 +322,13 @@ class K3Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["optimizer"] != "muon":
                 continue
-            ps, bufs, gs = [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 st = self.state[p]
                 if "momentum_buffer" not in st:
                     st["momentum_buffer"] = torch.zeros_like(p, dtype=self._state_dtype(p))
-                buf = st["momentum_buffer"]
-                ps.append(p)
-                bufs.append(buf)
-                gs.append(p.grad if p.grad.dtype == buf.dtype else p.grad.to(buf.dtype))
-            if not ps:
-                continue
-            mu = group["momentum"]
-            torch._foreach_lerp_(bufs, gs, 1.0 - mu)
-            for p, g, buf in zip(ps, gs, bufs):
-                items.append(_Item(p, group, self._specs[id(p)], g, buf))
+                items.append(_Item(p, group, self._specs[id(p)], p.grad, st["momentum_buffer"]))
         if not items:
             self.last_step_info = {}
             return
@@ -341,40 +340,19 @@ class K3Muon(torch.optim.Optimizer):
             self._fill_stacks(items, part)
             self._orthogonalize(items, part, group)
             buckets += part
-        for group in self.param_groups:
-            if group["optimizer"] != "muon":
-                continue
-            gitems = [it for it in items if it.group is group]
-            if not gitems:
-                continue
-            lr, wd = group["lr"], group["weight_decay"]
-            if wd != 0.0:
-                torch._foreach_mul_([it.param for it in gitems], 1.0 - lr * wd)
-            for it in gitems:
-                self._apply(it, lr)
+        sumsq = torch.zeros((), dtype=torch.float32, device=items[0].param.device)
+        for it in items:
+            self._apply(it, sumsq)
         self.last_step_info = {
             "buckets": [(b.shape, b.num_blocks) for b in buckets],
             "muon_params": len(items),
             "ns_blocks_total": sum(b.num_blocks for b in buckets),
             "ns_blocks_local": self._ns_blocks_local,
-            "update_rms": self._update_rms(items),
+            # RMS of the applied Muon updates before the learning rate, over this rank's Muon parameters:
+            # sqrt(sum_p ||0.2 sqrt(max(m, n)) NS(u_p)||^2 / sum_p numel(p)), about 0.2 by construction
+            # (the AdamW-matched scale). A 0-d tensor on the parameters' device (no host sync).
+            "update_rms": (sumsq / sum(it.param.numel() for it in items)).sqrt(),
         }
-
-    @staticmethod
-    def _update_rms(items: list[_Item]) -> torch.Tensor:
-        """RMS of the step's Muon updates before the learning rate, over all elements of this rank's
-        Muon parameters: sqrt(sum_p ||0.2 sqrt(max(m, n)) NS(u_p)||^2 / sum_p numel(p)), about 0.2 by
-        construction (the AdamW-matched scale). A 0-d tensor on the parameters' device (no host sync)."""
-        norms = torch._foreach_norm([it.update for it in items])
-        total = torch.stack([n.float() for n in norms]).square().sum()
-        return (total / sum(it.update.numel() for it in items)).sqrt()
-
-    @staticmethod
-    def _nesterov(it: _Item) -> torch.Tensor:
-        """NS input of a parameter: (1 - mu) g + mu m (Nesterov) or m."""
-        if it.group["nesterov"]:
-            return torch.lerp(it.grad, it.buf, it.group["momentum"])
-        return it.buf
 
     def _tp_gather(self, items: list[_Item]) -> None:
         tp = _group_size(self.tp_group)
@@ -382,7 +360,9 @@ class K3Muon(torch.optim.Optimizer):
         if tp == 1 or not todo:
             return
         for it in todo:
-            it.u = self._nesterov(it)
+            it.u = torch.empty_like(it.buf)
+            nesterov_into(_as3d(it.grad), _as3d(it.buf), _as3d(it.u), it.group["momentum"], it.group["nesterov"],
+                          self.elementwise_backend)
         flat = torch.cat([it.u.reshape(-1) for it in todo])
         out = [torch.empty_like(flat) for _ in range(tp)]
         dist.all_gather(out, flat, group=self.tp_group)
@@ -428,23 +408,25 @@ class K3Muon(torch.optim.Optimizer):
         return blocks.mT if spec.transposed else blocks
 
     def _fill_stacks(self, items: list[_Item], buckets: list[_Bucket]) -> None:
-        """Write every block's NS input into its bucket's contiguous stack, in one pass per
-        parameter (the Nesterov lerp writes straight into the stack)."""
+        """Write every block's NS input into its bucket's contiguous stack (in the NS dtype). For a
+        local parameter one pass reads grad and momentum, updates the momentum and writes the
+        Nesterov look-ahead straight into the stack (transposed for tall blocks)."""
         for b in buckets:
-            first = items[b.items[0]].buf
-            b.stack = torch.empty((b.num_blocks, *b.shape), dtype=first.dtype, device=first.device)
+            device = items[b.items[0]].buf.device
+            b.stack = torch.empty((b.num_blocks, *b.shape), dtype=self._ns_dtype(device), device=device)
             start = 0
             for i, nb in zip(b.items, b.sizes):
                 it, dst = items[i], b.stack[start : start + nb]
                 start += nb
-                if it.u is not None:  # TP-gathered full tensor
+                if it.u is not None:  # TP-gathered full tensor, momentum already updated
                     dst.copy_(self._canonical(it.spec, it.u))
-                elif it.group["nesterov"]:
-                    torch.lerp(self._canonical(it.spec, it.grad), self._canonical(it.spec, it.buf),
-                               it.group["momentum"], out=dst)
-                else:
-                    dst.copy_(self._canonical(it.spec, it.buf))
-                it.u = None
+                    it.u = None
+                    continue
+                nesterov_into(it.spec.blocks(it.grad), it.spec.blocks(it.buf), dst.mT if it.spec.transposed else dst,
+                              it.group["momentum"], it.group["nesterov"], self.elementwise_backend)
+
+    def _ns_dtype(self, device: torch.device) -> torch.dtype:
+        return self.ns_dtype or default_ns_dtype(device)
 
     @staticmethod
     def _bucket_input(bucket: _Bucket, lo: int, hi: int) -> Optional[torch.Tensor]:
@@ -453,8 +435,7 @@ class K3Muon(torch.optim.Optimizer):
 
     def _ns(self, x: torch.Tensor, bucket: _Bucket) -> torch.Tensor:
         m, n = bucket.shape
-        dtype = self.ns_dtype or default_ns_dtype(x.device)
-        return self.ns_fn(x, steps=bucket.ns_steps, scale=muon_update_scale(m, n), dtype=dtype)
+        return self.ns_fn(x, steps=bucket.ns_steps, scale=muon_update_scale(m, n), dtype=self._ns_dtype(x.device))
 
     def _orthogonalize(self, items: list[_Item], buckets: list[_Bucket], group) -> None:
         """NS of every bucket, shared out over the ranks of ``group`` (which hold the same blocks)."""
@@ -471,7 +452,7 @@ class K3Muon(torch.optim.Optimizer):
             counts = assign_blocks(buckets, dp, overhead)
             self._ns_blocks_local += sum(c[rank] for c in counts)
             device = items[0].buf.device
-            dtype = self.ns_dtype or default_ns_dtype(device)
+            dtype = self._ns_dtype(device)
             mine = []
             totals = [0] * dp
             for b, c in zip(buckets, counts):
@@ -505,17 +486,24 @@ class K3Muon(torch.optim.Optimizer):
                 items[i].update = blk.mT if items[i].spec.transposed else blk
                 start += nb
 
-    def _apply(self, it: _Item, lr: float) -> None:
+    def _apply(self, it: _Item, sumsq: torch.Tensor) -> None:
+        """p <- p (1 - lr wd) - lr update, in one pass; adds the update's sum of squares to ``sumsq``."""
         spec, p, upd = it.spec, it.param, it.update
+        lr, wd = it.group["lr"], it.group["weight_decay"]
         if spec.gather_dim is None and p.is_contiguous():
-            spec.blocks(p).add_(upd, alpha=-lr)
+            apply_update(spec.blocks(p), upd, 1.0 - lr * wd, -lr, sumsq, self.elementwise_backend)
             return
         full = torch.empty(spec.full_shape, dtype=upd.dtype, device=upd.device)
         spec.blocks(full).copy_(upd)
         if spec.gather_dim is not None:
             tp = self.tp_group
             full = tp_local_slice(full, spec.gather_dim, _group_rank(tp), _group_size(tp), spec.stride)
-        p.add_(full.reshape(p.shape), alpha=-lr)
+        apply_update(_as3d(p), _as3d(full), 1.0 - lr * wd, -lr, sumsq, self.elementwise_backend)
+
+
+def _as3d(t: torch.Tensor) -> torch.Tensor:
+    """A MATRIX [m, n] as [1, m, n] (a view); an EXPERT_MATRIX [E, m, n] as itself."""
+    return t.unsqueeze(0) if t.ndim == 2 else t
 
 
 def _foreach_adamw(ps, gs, ms, vs, steps, *, lr, beta1, beta2, weight_decay, eps):  # pragma: no cover

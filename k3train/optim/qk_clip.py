@@ -18,6 +18,9 @@ in the fp32 buffer ``max_logit`` [local heads]; this function all-reduces it wit
 over the data-parallel group (one collective for all layers), clips, and resets it to
 -inf. Under TP each rank owns whole heads, so it clips only its own heads; no TP
 communication is needed.
+
+The clip scales the main weights (``k3train.precision.main_params.main_param``); under bf16
+parameters the caller then refreshes the model's compute copies (``MainParams.sync_model``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from k3train.precision.main_params import main_param
 
 _REQUIRED = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_b_proj", "kv_b_proj", "max_logit")
 
@@ -104,8 +109,8 @@ def _scale_heads(m: nn.Module, eta: torch.Tensor) -> None:
     dn, dr, dv = int(m.qk_nope_head_dim), int(m.qk_rope_head_dim), int(m.v_head_dim)
     H = eta.numel()
     sq = eta.sqrt()
-    wq = m.q_b_proj.weight
-    wkv = m.kv_b_proj.weight
+    wq = main_param(m.q_b_proj.weight)
+    wkv = main_param(m.kv_b_proj.weight)
     if wq.shape[0] != H * (dn + dr):
         raise ValueError(f"QK-clip: q_b_proj has {wq.shape[0]} rows, expected {H}*({dn}+{dr})")
     if wkv.shape[0] != H * (dn + dv):

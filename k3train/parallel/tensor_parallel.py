@@ -91,6 +91,22 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _AutocastInputImpl:
+    """Mixin for a Megatron-Core parallel linear: its input enters the GEMM in the autocast dtype.
+
+    Megatron's linear saves its input for the wgrad dx·Wᵀ = dyᵀ x and restores autocast in the backward
+    on CUDA only (``custom_bwd`` for "cuda"); under CPU bf16 autocast the backward would multiply the bf16
+    dy by the saved fp32 x. Casting first (the forward GEMM casts it anyway) makes x bf16 on every
+    device, and on CUDA saves the bf16 copy instead of the fp32 input and the backward's second cast.
+    """
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        device = input.device.type
+        if torch.is_autocast_enabled(device):
+            input = input.to(torch.get_autocast_dtype(device))
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 class _RecipeGemmImpl:
     """Mixin for a Megatron-Core parallel linear: its GEMM becomes the recipe's ``recipe_gemm``.
 
@@ -237,8 +253,7 @@ class TPSpec:
 
         common = dict(config=self._mcore_config, init_method=_no_init, bias=False, tp_group=self.groups.tp)
         cls = _output_only(ColumnParallelLinear if mode == "column" else RowParallelLinear)
-        if gemm is not None:
-            cls = type(cls.__name__, (_RecipeGemmImpl, cls), {})
+        cls = type(cls.__name__, (_AutocastInputImpl if gemm is None else _RecipeGemmImpl, cls), {})
         if mode == "column":
             mod = cls(in_features, out_features, gather_output=False, **common)
         else:

@@ -9,6 +9,9 @@ MXFP4 weights and MXFP8 activations during post-training; everything else stays 
 * :func:`enable_expert_qat` / :func:`disable_expert_qat`: switch QAT on/off for every
   ``RoutedExperts`` module of a model (their ``weight_fake_quant`` / ``input_fake_quant``
   hooks) and touch nothing else.
+* :func:`qat_roundings`: under bf16 parameters (``k3train.precision.main_params``) the experts'
+  bf16 compute copies are the fake-quantized fp32 main weights, so the forward sees exactly
+  the values an export packs (fake quant is exact in bf16 and idempotent).
 
 Defaults: weights MXFP4 (E2M1) with the RCEIL scale rule, which is the rule of the K3
 checkpoint export (scale 2^ceil(log2(amax/6))), so the QAT values are exactly the values
@@ -25,7 +28,7 @@ from kernels.mx import get_format, mx_fake_quantize
 from kernels.mx.formats import check_rule
 
 __all__ = ["mx_fake_quant", "MXFakeQuant", "QATLinear", "enable_expert_qat", "disable_expert_qat",
-           "DEFAULT_WEIGHT_FORMAT", "DEFAULT_INPUT_FORMAT", "DEFAULT_RULE"]
+           "qat_roundings", "DEFAULT_WEIGHT_FORMAT", "DEFAULT_INPUT_FORMAT", "DEFAULT_RULE"]
 
 DEFAULT_WEIGHT_FORMAT = "e2m1"
 DEFAULT_INPUT_FORMAT = "e4m3"
@@ -137,3 +140,10 @@ def disable_expert_qat(model: nn.Module) -> int:
         m.weight_fake_quant = None
         m.input_fake_quant = None
     return len(mods)
+
+
+def qat_roundings(model: nn.Module) -> list[tuple[nn.Parameter, MXFakeQuant]]:
+    """(weight, its fake quantizer) for every routed-expert stack with QAT on: how ``MainParams``
+    makes their compute copies from the main weights."""
+    return [(getattr(m, name), m.weight_fake_quant) for m in _routed_expert_modules(model)
+            if m.weight_fake_quant is not None for name in ("w13", "w2")]

@@ -1,10 +1,14 @@
 """Checkpoints through Megatron-Core ``dist_checkpointing``.
 
 What is saved:
-- model parameters and buffers (QB router biases included) as ``ShardedTensor``s with their
-  global shapes, so a checkpoint written at one TP size loads at another;
+- the main weights of the model's parameters (``k3train.precision.main_params.main_param``: fp32,
+  also under bf16 parameters) and its buffers (QB router biases included) as ``ShardedTensor``s with
+  their global shapes, so a checkpoint written at one TP size loads at another, and a checkpoint
+  loads whatever ``precision.params`` wrote or reads it. Loading writes the main weights; under bf16
+  parameters the caller then refreshes the compute copies (``MainParams.sync_model``);
 - optimizer state tensors shaped like their parameter, sharded the same way; the rest of the
-  optimizer state (step counters, hyper-parameters) as common state;
+  optimizer state (step counters, hyper-parameters, and any extra top-level entries of the
+  optimizer's state dict, e.g. K3Muon's ``k3_muon`` skipped-step counter) as common state;
 - scheduler, data position, step and the model config as common state;
 - each rank's RNG states as a per-rank ``ShardedObject`` (restored when the world size is unchanged).
 
@@ -34,6 +38,7 @@ from k3train.config.schema import ModelConfig
 from k3train.model.roles import get_role
 from k3train.parallel.checkpoint_io import save_strategy
 from k3train.parallel.state import ParallelGroups
+from k3train.precision.main_params import main_param
 from k3train.training.checkpoint_writer import CheckpointWriter, use_in_process_results_queue
 from k3train.training.threads import single_intra_op_thread
 
@@ -74,8 +79,13 @@ def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups):
     return ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=replica_id)
 
 
+def _main_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The main weight of every parameter, by parameter name: what the optimizer steps and checkpoints hold."""
+    return {n: main_param(p) for n, p in model.named_parameters()}
+
+
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    tensors = dict(model.named_parameters())
+    tensors = _main_weights(model)
     tensors.update({n: b for n, b in model.named_buffers() if n in model.state_dict()})
     return tensors
 
@@ -112,6 +122,7 @@ def _optimizer_common(optimizer: torch.optim.Optimizer, names: dict[int, str], g
                                        for p in g["params"]},
         "optimizer_other": {names[id(params[i])]: v for i, v in opt_other.items()},
         "optimizer_param_groups": opt_sd["param_groups"],
+        "optimizer_extra": {k: v for k, v in opt_sd.items() if k not in ("state", "param_groups")},
     }
     if groups.pp_size == 1:
         return local
@@ -119,7 +130,8 @@ def _optimizer_common(optimizer: torch.optim.Optimizer, names: dict[int, str], g
     dist.all_gather_object(stages, local, group=groups.pp)
     merged = {"optimizer_tensor_keys": sorted({k for s in stages for k in s["optimizer_tensor_keys"]}),
               "optimizer_param_names": [n for s in stages for n in s["optimizer_param_names"]],
-              "optimizer_param_group_keys": {}, "optimizer_other": {}, "optimizer_param_groups": []}
+              "optimizer_param_group_keys": {}, "optimizer_other": {}, "optimizer_param_groups": [],
+              "optimizer_extra": local["optimizer_extra"]}
     seen = set()
     for stage in stages:
         merged["optimizer_param_group_keys"].update(stage["optimizer_param_group_keys"])
@@ -149,11 +161,11 @@ def _set_rng_state(state: dict) -> None:
 def _state_dict(model, optimizer, groups, extra: dict, template: bool) -> dict:
     from megatron.core.dist_checkpointing import ShardedObject
 
-    names = {id(p): n for n, p in model.named_parameters()}
     sd: dict = {f"model.{n}": _sharded(f"model.{n}", t.detach() if not template else torch.empty_like(t),
                                        get_role(t), groups)
                 for n, t in _model_tensors(model).items()}
-    params_by_name = dict(model.named_parameters())
+    params_by_name = _main_weights(model)
+    names = {id(p): n for n, p in params_by_name.items()}
     if optimizer is not None:
         if template:
             keys = extra["optimizer_tensor_keys"]
@@ -188,7 +200,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in _main_weights(model).items()}
     extra = {
         "step": step,
         "world_size": groups.world_size,
@@ -303,7 +315,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     with torch.no_grad():
         for n, t in tensors.items():
             t.copy_(loaded[f"model.{n}"].view_as(t))
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in _main_weights(model).items()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     saved_keys = common.get("optimizer_param_group_keys")
     if saved_keys is None:  # written before pipeline parallelism: same layout or nothing
@@ -327,7 +339,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     for i, g in enumerate(optimizer.state_dict()["param_groups"]):
         kept = {k: g[k] for k in ("params", "names") if k in g}
         param_groups.append({**saved_groups[_group_key(g, i)], **kept})
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    optimizer.load_state_dict({**common.get("optimizer_extra", {}), "state": state, "param_groups": param_groups})
     scheduler.load_state_dict(common["scheduler"])
     if "rng" in loaded:  # per-rank RNG streams only carry over to the same number of ranks
         _set_rng_state(loaded["rng"])

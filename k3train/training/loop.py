@@ -5,13 +5,17 @@ One optimizer step:
         loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
         (``MicroBatchLoop``; under parallel.pipeline > 1 the 1F1B ``PipelineSchedule`` runs them
         through the stages and reports the step's loss on every stage)
-    average gradients over DP×CP; ‖g‖ over TP, EP and PP; clip; optimizer.step(); scheduler.step()
         (model.qb_updates_per_step > 1: Quantile Balancing also between groups of micro-batches)
+    average gradients over DP×CP (overlapped with the last backward); ‖g‖ over TP, EP and PP; clip;
+        optimizer.step() on the main weights; scheduler.step()
+    QK-clip (Muon recipe) rescales the main weights of MLA heads whose max logit exceeded τ
+    the model's compute weights ← the main weights (bf16 parameters: ``MainParams.sync_model``)
     Quantile Balancing writes each MoE layer's bias for the next step (pooled over DP×CP), optionally
     from the step's router inputs re-scored by the updated router (model.qb_rescore_stride)
-    QK-clip (Muon recipe) rescales MLA heads whose max logit exceeded τ
 
-Runs the same on CPU (gloo, fp32) and GPU (NCCL, bf16 autocast).
+Gradients live in ``GradBuffers`` (flat fp32 main gradients), weights in ``MainParams`` (bf16 compute
+copies and fp32 main weights under precision.params=bf16, fp32 parameters alone otherwise).
+Runs the same on CPU (gloo, fp32) and GPU (NCCL, bf16 autocast and bf16 parameters).
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ import torch
 import torch.distributed as dist
 
 from k3train.config.schema import K3Config
+from k3train.config.validate import precision_dtypes
 from k3train.model.k3 import K3Model
 from k3train.model.mla import GatedMLA
 from k3train.optim.builder import build_optimizer, build_scheduler
-from k3train.parallel.data_parallel import average_gradients, clip_gradients, global_grad_norm
+from k3train.parallel.grad_buffers import GradBuffers
 from k3train.parallel.pipeline.layout import build_chunks
 from k3train.parallel.pipeline.stage import OnAnotherStage, keep_stage
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
+from k3train.precision.main_params import MainParams
 from k3train.training.checkpoint import load_checkpoint, save_checkpoint
 from k3train.training.checkpoint_writer import CheckpointWriter
 from k3train.training.collective_timeout import set_collective_timeout
@@ -48,9 +54,9 @@ from k3train.training.metrics import MetricsLogger
 from k3train.training.micro_batches import MicroBatchLoop
 
 
-def _autocast(device: torch.device, dtype: str):
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
-    if not use_bf16:
+def _autocast(device: torch.device, compute: str):
+    """bf16 autocast when the compute dtype (``precision_dtypes``) is bf16."""
+    if compute != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
@@ -68,6 +74,7 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         self.device = pick_device(t.device)
+        self.compute_dtype, params_dtype = precision_dtypes(cfg.precision, self.device.type)
         self.groups: ParallelGroups = init_parallel(cfg.parallel, self.device)
         g = self.groups
         if g.world_size > 1:
@@ -89,19 +96,22 @@ class Trainer:
             self.chunks = build_chunks(cfg.model.num_layers, p.pipeline, p.virtual_stages, list(p.pipeline_layout))
             keep_stage(self.model, self.chunks, self.groups.pp_rank)
         self.model.to(self.device)
+        rounding = []
         if cfg.precision.expert_qat:
-            from k3train.precision.mx_qat import enable_expert_qat
+            from k3train.precision.mx_qat import enable_expert_qat, qat_roundings
 
             enable_expert_qat(self.model)
+            rounding = qat_roundings(self.model)
         if cfg.optim.qk_clip_tau:
             for m in self.model.modules():
                 if isinstance(m, GatedMLA):
                     m.track_max_logit = True
+        self.main = MainParams(self.model, torch.bfloat16 if params_dtype == "bf16" else torch.float32, rounding)
+        self.grads = GradBuffers(self.model, self.groups)
         if t.compile:
             from k3train.training.compile import compile_layers
 
             compile_layers(self.model)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.moe_layer_ids = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]  # all stages'
         self.local_moe_rows = [r for r, i in enumerate(self.moe_layer_ids)
                                if not isinstance(self.model.layers[i], OnAnotherStage)]
@@ -153,7 +163,7 @@ class Trainer:
 
     def _build_schedule(self):
         """The micro-batch loop, or the pipeline schedule under parallel.pipeline > 1."""
-        autocast = lambda: _autocast(self.device, self.cfg.precision.dtype)  # noqa: E731
+        autocast = lambda: _autocast(self.device, self.compute_dtype)  # noqa: E731
         if self.groups.pp_size > 1:
             from k3train.parallel.pipeline.runtime import PipelineSchedule
 
@@ -163,7 +173,8 @@ class Trainer:
             for layer in self.model.moe_layers():
                 layer.update_bias(self.groups.dp_cp, after_optimizer_step=False)
 
-        return MicroBatchLoop(self._forward, self.device, self.cfg.model.qb_updates_per_step, qb_within_step)
+        return MicroBatchLoop(self._forward, self.device, self.cfg.model.qb_updates_per_step, qb_within_step,
+                              before_last_backward=self.grads.last_backward)
 
     def _maybe_resume(self) -> None:
         resume = self.cfg.train.resume
@@ -173,8 +184,10 @@ class Trainer:
         if path is None:
             if self.cfg.train.init_from:
                 self._init_from(Path(self.cfg.train.init_from))
+                self.main.sync_model()  # the checkpoint loads into the main weights
             return
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.groups, self.cfg.model)
+        self.main.sync_model()
         self.step = state["step"]
         self.train_iter.load_state_dict(state["data"])
         self.guard.load_state_dict(state.get("trainer", {}).get("guard", {}))
@@ -208,13 +221,13 @@ class Trainer:
     # --- one step --------------------------------------------------------------------------
     def _forward(self, batch: dict) -> torch.Tensor:
         b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        with _autocast(self.device, self.cfg.precision.dtype):
+        with _autocast(self.device, self.compute_dtype):
             return self.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
 
     def train_step(self) -> dict:
         self.model.train()
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.grads.zero()
         moe = self.model.moe_layers()
         step = self.step + 1
         timer = PhaseTimer(self.device, synchronize=self._is_log_step(step) or self.profiler.active(step),
@@ -224,12 +237,12 @@ class Trainer:
         with timer("fwd_bwd"):  # Quantile Balancing within the step (model.qb_updates_per_step) included
             loss_sum = self.schedule.train(batches)  # the same on every stage
         with timer("comm"):
-            average_gradients(self.params, self.groups)
-            grad_norm = global_grad_norm(self.params, self.groups)
+            self.grads.reduce()
+            grad_norm = self.grads.norm()
             if self.groups.dp_cp_size > 1:  # the guard needs the step's loss, the same on every rank, before the update
                 dist.all_reduce(loss_sum, group=self.groups.dp_cp)
                 loss_sum /= self.groups.dp_cp_size
-        clip_gradients(self.params, self.cfg.optim.grad_clip, grad_norm)
+        self.grads.clip(self.cfg.optim.grad_clip, grad_norm)
         loss_value = float(loss_sum / self.n_micro)
         skip_reason = self.guard.check(loss_value, float(grad_norm))
         skipped = skip_reason is not None
@@ -238,12 +251,14 @@ class Trainer:
             if not skipped:
                 self.optimizer.step()
             self.scheduler.step()
-            for layer in moe:
-                layer.update_bias(self.groups.dp_cp)
             if self.cfg.optim.qk_clip_tau and not skipped:
                 from k3train.optim.qk_clip import apply_qk_clip
 
                 qk_clip = apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp_cp)
+            if not skipped:
+                self.main.sync_model()  # before re-scoring the router inputs with the updated router
+            for layer in moe:
+                layer.update_bias(self.groups.dp_cp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start

@@ -3,6 +3,9 @@ parallel.pipeline = 1 (``k3train.parallel.pipeline.runtime.PipelineSchedule`` is
 
     for i, batch in enumerate(batches): loss_i = forward(batch); (loss_i / m).backward()
     every m/U micro-batches (but not after the last): after_window()   (model.qb_updates_per_step = U)
+
+``before_last_backward`` runs just before the last backward (the gradient buffers start their
+data-parallel all-reduces during it: ``GradBuffers.last_backward``).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import torch
 
 class MicroBatchLoop:
     def __init__(self, forward: Callable[[dict], torch.Tensor], device: torch.device,
-                 windows: int = 1, after_window: Callable[[], None] = lambda: None):
+                 windows: int = 1, after_window: Callable[[], None] = lambda: None,
+                 before_last_backward: Callable[[], None] = lambda: None):
         self.forward, self.device, self.windows, self.after_window = forward, device, windows, after_window
+        self.before_last_backward = before_last_backward
 
     def train(self, batches: list[dict]) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns Σ_i loss_i."""
@@ -24,6 +29,8 @@ class MicroBatchLoop:
         loss_sum = torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches, 1):
             loss = self.forward(batch)
+            if micro == n:
+                self.before_last_backward()
             (loss / n).backward()
             loss_sum += loss.detach()
             if micro % window == 0 and micro < n:

@@ -12,11 +12,20 @@ well-conditioned input land in roughly [0.7, 1.2], which is what Muon needs.
 
 Implementation notes
 - Matrices are made "wide" (m <= n) by transposing, so A is the small Gram matrix.
-- Each step is three batched GEMMs: ``bmm`` and two ``baddbmm`` whose alpha/beta carry
-  the polynomial coefficients, so no extra elementwise passes are needed.
+- The Frobenius normalization is folded into the first step: with X = G / s,
+  s = ||G||_F + eps and A_G = G G^T,
+
+      ||G||_F^2 = tr(A_G),   A = A_G / s^2,   X_1 = (a I + B) X = ((a I + B) / s) G,
+
+  so the first step runs on G itself (already in the compute dtype when the caller wrote it so:
+  no normalization pass over [B, m, n], no copy) and the per-matrix scalars only touch the
+  [B, m, m] matrices A and B. Later steps are three batched GEMMs each: ``bmm`` and two
+  ``baddbmm`` whose alpha/beta carry the polynomial coefficients.
 - ``scale`` is folded into the alpha/beta of the last step (free).
 - Compute dtype: bf16 on CUDA, fp32 elsewhere (CPU has no fast bf16 GEMM and the CPU tests
-  compare against fp32 references). The Frobenius norm is always taken in fp32.
+  compare against fp32 references). The trace (the squared norm) is summed in fp32. The compute
+  dtype must have fp32's exponent range (bf16, fp32, fp64): the Gram matrix of the unnormalized
+  input would overflow fp16.
 
 Imports only torch (``kernels/`` is a leaf); ``k3train.optim.newton_schulz`` re-exports it.
 """
@@ -59,18 +68,24 @@ def newton_schulz(
         G = G.unsqueeze(0)
     if dtype is None:
         dtype = default_ns_dtype(G.device)
+    if dtype == torch.float16:
+        raise ValueError(f"newton_schulz computes in bf16, fp32 or fp64 (an fp16 Gram matrix overflows), got {dtype}")
     tall = G.shape[-2] > G.shape[-1]
     if tall:
         G = G.mT
     a, b, c = coeffs
 
-    # X = G / (||G||_F + eps), written straight into the compute dtype (one pass).
-    norm_dtype = torch.promote_types(G.dtype, torch.float32)
-    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-    X = torch.empty(G.shape, dtype=dtype, device=G.device)
-    torch.div(G, norm.add_(eps), out=X)
-
-    for i in range(steps):
+    # Step 1 on G itself (no normalization pass, no copy when G is already in the compute dtype).
+    X = G.to(dtype)
+    s1 = scale if steps == 1 else 1.0
+    A = torch.bmm(X, X.mT)  # G G^T
+    sq = A.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32)  # ||G||_F^2 per matrix
+    inv = (sq.sqrt() + eps).reciprocal()[:, None, None]  # 1 / s, fp32 [B, 1, 1]
+    A.mul_(inv * inv)
+    B = torch.baddbmm(A, A, A, beta=b, alpha=c).mul_(inv * s1)
+    B.diagonal(dim1=-2, dim2=-1).add_((a * s1) * inv[:, :, 0])
+    X = torch.bmm(B, X)
+    for i in range(1, steps):
         s = scale if i == steps - 1 else 1.0
         A = torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -58,3 +59,17 @@ def test_failed_gate_exits_nonzero(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="gate failed for weights init"):
         hf_reference_check.main(SMOKE + ["--weights", "init", "--json", str(tmp_path / "c.json")])
     assert json.loads((tmp_path / "c.json").read_text())["rows"][0]["floor_ratio"] == 9.0
+
+
+def test_corpus_batch_is_corpus_text_with_document_positions():
+    eod = 0  # the default corpus's end-of-document id
+    for seed in range(30):  # documents average ~8K tokens: find a window that crosses a document end
+        tokens, pos = hf_reference_check.corpus_batch(2, 4096, 163840, seed=seed)
+        after_eod = tokens[:, :-1] == eod
+        if bool(after_eod.any()):
+            break
+    else:
+        pytest.fail("no 8,192-token window of 30 crossed a document end")
+    assert tokens.shape == pos.shape == (2, 4096) and 0 <= int(tokens.min()) and int(tokens.max()) < 512
+    assert len(set(tokens.flatten().tolist())) > 100  # text, not one repeated id
+    assert torch.equal(pos[:, 1:], torch.where(after_eod, 0, pos[:, :-1] + 1)) and bool((pos[:, 0] == 0).all())

@@ -86,10 +86,26 @@ def _cfg(**sections) -> K3Config:
     ({"model": {"qb_rescore_stride": -1}}, 1, "model.qb_rescore_stride"),
     ({"precision": {"recipe": "fp4"}}, 1, "precision.recipe"),
     ({"precision": {"recipe": "fp8_block"}, "train": {"device": "cpu"}}, 1, "precision.recipe"),
+    ({"precision": {"params": "fp16"}}, 1, "precision.params"),
+    ({"precision": {"params": "bf16", "dtype": "fp32"}}, 1, "precision.params=bf16"),
+    ({"precision": {"params": "bf16"}, "train": {"device": "cpu"}}, 1, "precision.params=bf16"),  # auto: fp32
+    ({"precision": {"params": "fp32", "dtype": "bf16"}, "train": {"device": "cpu"}}, 1, "precision.params=fp32"),
 ])
 def test_validation_names_the_field(sections, world, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         validate(_cfg(**sections), world_size=world)
+
+
+@pytest.mark.parametrize("dtype,params,device,want", [
+    ("auto", "auto", "cuda", ("bf16", "bf16")),  # Megatron's default on the GPU
+    ("auto", "auto", "cpu", ("fp32", "fp32")),  # CPU tests keep fp32
+    ("bf16", "auto", "cpu", ("bf16", "bf16")),
+    ("auto", "fp32", "cuda", ("bf16", "fp32")),  # bf16 autocast over fp32 weights
+])
+def test_precision_dtypes_resolve(dtype, params, device, want):
+    from k3train.config.validate import precision_dtypes
+
+    assert precision_dtypes(_cfg(precision={"dtype": dtype, "params": params}).precision, device) == want
 
 
 def test_layer_pattern_rule_is_k3s():

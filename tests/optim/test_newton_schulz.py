@@ -56,3 +56,32 @@ def test_constants():
     assert muon_update_scale(128, 1024) == pytest.approx(0.2 * 32)
     with pytest.raises(ValueError):
         newton_schulz(torch.randn(2, 2, 2, 2))
+
+
+@pytest.mark.parametrize("shape", [(4, 24, 80), (3, 80, 24), (2, 48, 48)])
+def test_folded_normalization_is_scale_free(shape):
+    # The Frobenius normalization runs through tr(G G^T) inside the first step: inputs from 1e-3 to
+    # 1e4 give the float64 reference's result (fp32), and the update scale is applied once.
+    torch.manual_seed(torch.seed() % 2**31)
+    G = torch.randn(shape)
+    if shape[-1] == shape[-2]:
+        U, _, Vh = torch.linalg.svd(G)
+        G = U @ torch.diag_embed(torch.rand(G.shape[:-1]) * 3 + 1) @ Vh
+    ref = torch.stack([newton_schulz_reference(g) for g in G])
+    for c in (1e-3, 1.0, 1e4):
+        X = newton_schulz(G * c, scale=0.5)
+        assert ((X.double() - 0.5 * ref).norm() / (0.5 * ref).norm()) < 1e-5, c
+    X1 = newton_schulz(G[:1], steps=1, scale=2.0)  # one step: normalization and scale in the same step
+    assert ((X1.double() - 2.0 * newton_schulz_reference(G[0], steps=1)).norm() / X1.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(6, 32, 96), (4, 96, 32)])
+def test_bf16_stack_input_close_to_reference(shape):
+    # Muon hands NS its stack already in bf16 and unnormalized: same error as bf16 GEMMs anywhere.
+    G = torch.randn(shape) * 1e-3
+    X = newton_schulz(G.to(torch.bfloat16), dtype=torch.bfloat16)
+    ref = torch.stack([newton_schulz_reference(g) for g in G.to(torch.bfloat16)])
+    assert X.dtype == torch.bfloat16 and X.shape == G.shape
+    assert ((X.double() - ref).norm() / ref.norm()) < 2e-2
+    with pytest.raises(ValueError, match="fp16"):
+        newton_schulz(G, dtype=torch.float16)

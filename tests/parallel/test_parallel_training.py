@@ -18,14 +18,8 @@ import shutil
 
 import pytest
 
-from parallel_runs import STEPS
+from parallel_runs import STEPS, assert_close_losses
 from test_training_helpers import losses, torchrun, train
-
-
-
-def assert_close_losses(got: dict, ref: dict, steps, rel: float) -> None:
-    for step in steps:
-        assert abs(got[step] - ref[step]) <= rel * abs(ref[step]), (step, got[step], ref[step], rel)
 
 
 @pytest.fixture(scope="module")
