@@ -11,7 +11,8 @@ and gradients in ``reference.py``). ``backend``:
   read in place (no stack); saves the sources (alive anyway as bank rows), the per-token r_i and
   a_i ([..., S] fp32), and q̃ = w ⊙ γ; the gradients of w and γ follow from dq̃ by torch autograd.
   A ``torch.library`` custom op (``k3::attn_res``, its backward ``k3::attn_res_backward``) with
-  fake shapes, so ``torch.compile`` keeps it inside its graphs. On CPU through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported);
+  fake shapes, so ``torch.compile`` keeps it inside its graphs. On CPU through Triton's
+  interpreter (``TRITON_INTERPRET=1`` before triton is imported);
 * ``"torch"``: ``reference.attn_res_forward``, differentiated by torch autograd.
 """
 
