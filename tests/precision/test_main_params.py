@@ -5,7 +5,9 @@
 - the main weights after two steps (two micro-batches each, then QK-clip) equal, bit for bit, what the
   fp32 optimizer makes of an fp32 copy of the weights given the same bf16-computed gradients summed in
   fp32, and the model's weights are those main weights rounded to bf16;
-- under MXFP4 QAT the experts' compute copies are the fake-quantized main weights.
+- under MXFP4 QAT the experts' compute copies are the fake-quantized main weights;
+- a main gradient holds only its step's gradients (the first one is copied in, a parameter without
+  one is zeroed by ``reduce``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def _train(device: str, params: torch.dtype, steps: int) -> tuple[list[float], K
         with torch.autocast(device, dtype=torch.bfloat16, enabled=params == torch.bfloat16):
             loss = model(tokens, labels=labels)
         loss.backward()
+        grads.reduce()
         grads.clip(1.0, grads.norm())
         opt.step()
         main.sync_model()
@@ -106,6 +109,7 @@ def test_main_weights_are_the_fp32_optimizer_on_bf16_gradients(device, optim):
             with torch.autocast(device, dtype=torch.bfloat16):
                 loss = model(tokens, labels=labels)
             (loss / MICRO).backward()
+        grads.reduce()
         opt.step()
         for p, r in zip(model.parameters(), ref.parameters()):
             assert captured[id(p)] and captured[id(p)][0].dtype == p.dtype
@@ -140,3 +144,21 @@ def test_qat_compute_copies_are_fake_quantized_main_weights():
         assert w.dtype == torch.bfloat16 and torch.equal(w.float(), mx_fake_quant(main))
         assert torch.equal(quantize(w), w)  # the forward's fake quant leaves them as they are
         assert not torch.equal(w.float(), main.bfloat16().float())
+
+
+def test_main_gradient_holds_only_this_steps_gradients():
+    """bf16 parameters: a step's first gradient is copied into the main gradient, not added to the last
+    step's, and a parameter no backward reached this step has a zero main gradient after ``reduce``."""
+    net = torch.nn.ModuleDict({"a": torch.nn.Linear(32, 16, bias=False), "b": torch.nn.Linear(16, 8, bias=False)})
+    seen: dict[str, torch.Tensor] = {}
+    for name, p in net.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: seen.__setitem__(name, p.grad.float()))
+    MainParams(net, torch.bfloat16)
+    grads = GradBuffers(net, None)
+    for use_b in (True, False):
+        grads.zero()
+        y = net["a"](torch.randn(5, 32).bfloat16())
+        (net["b"](y) if use_b else y).float().square().sum().backward()
+        grads.reduce()
+        assert torch.equal(main_param(net["a"].weight).grad, seen["a.weight"])
+    assert seen["b.weight"].abs().sum() > 0 and torch.equal(main_param(net["b"].weight).grad, torch.zeros(8, 16))
