@@ -1,7 +1,7 @@
 """Mixed precision with bf16 model weights and fp32 main weights (``precision.params=bf16``):
 ``MainParams`` and ``GradBuffers`` on k3_tiny (CPU) and k3_tiny_kernel (``-m gpu``).
 
-- a few AdamW steps track the fp32-parameter run (loss within 1%, and not equal to it);
+- a few AdamW steps track fp32 parameters, in fp32 or under bf16 autocast (loss within 1%, and not equal);
 - the main weights after two steps (two micro-batches each, then QK-clip) equal, bit for bit, what the
   fp32 optimizer makes of an fp32 copy of the weights given the same bf16-computed gradients summed in
   fp32, and the model's weights are those main weights rounded to bf16;
@@ -27,8 +27,8 @@ from k3train.parallel.grad_buffers import GradBuffers
 from k3train.precision.main_params import MainParams, main_param
 
 REPO = Path(__file__).resolve().parents[2]
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 SEQ, MICRO = 32, 2
 
 
@@ -51,7 +51,7 @@ def _batches(model: K3Model, device: str, n: int, seed: int = 1) -> list[tuple[t
     return [(s[:, :-1], s[:, 1:]) for s in seqs]
 
 
-def _train(device: str, params: torch.dtype, steps: int) -> tuple[list[float], K3Model]:
+def _train(device: str, params: torch.dtype, steps: int, autocast: bool) -> tuple[list[float], K3Model]:
     model = _model(device)
     main = MainParams(model, params)
     grads = GradBuffers(model, None)
@@ -59,7 +59,7 @@ def _train(device: str, params: torch.dtype, steps: int) -> tuple[list[float], K
     losses = []
     for tokens, labels in _batches(model, device, steps):
         grads.zero()
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=params == torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = model(tokens, labels=labels)
         loss.backward()
         grads.reduce()
@@ -70,11 +70,13 @@ def _train(device: str, params: torch.dtype, steps: int) -> tuple[list[float], K
     return losses, model
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bf16_params_track_fp32_params(device):
-    """Measured on CPU: the losses of 4 steps agree to 1e-3 relative; held to 1e-2."""
-    ref, _ = _train(device, torch.float32, 4)
-    got, model = _train(device, torch.bfloat16, 4)
+@pytest.mark.parametrize("device,ref_autocast", [("cpu", False), ("cpu", True), pytest.param("cuda", True, marks=GPU)])
+def test_bf16_params_track_fp32_params(device, ref_autocast):
+    """Against fp32 parameters, in fp32 or under bf16 autocast (then the GEMMs see the same bf16 weights
+    and only ops that read weights in fp32, as norms do, differ). Measured on CPU: the losses of 4 steps
+    agree to 6e-4 (fp32) and 1.3e-3 (autocast) relative; held to 1e-2."""
+    ref, _ = _train(device, torch.float32, 4, autocast=ref_autocast)
+    got, model = _train(device, torch.bfloat16, 4, autocast=True)
     for a, b in zip(got, ref):
         assert abs(a - b) <= 1e-2 * abs(b), (got, ref)
     assert got != ref  # the bf16 path really ran in bf16
