@@ -85,6 +85,7 @@ def main() -> None:
         marks["forward"][1].record()
         marks["backward"][0].record()
         loss.backward()
+        grads.reduce()
         marks["backward"][1].record()
         marks["optimizer"][0].record()
         opt.step()

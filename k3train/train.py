@@ -18,10 +18,12 @@ from k3train.config.load import CONF_DIR, register_schema, to_dataclass
 from k3train.config.validate import ConfigError, validate, validate_keys
 
 register_schema()
-# Megatron-Core logs dataset-index details at INFO and warns that TE/apex are absent; keep the console
-# for our progress lines.
+# Megatron-Core logs dataset-index details at INFO, warns that TE/apex are absent and, on every resume,
+# calls a torch.distributed.checkpoint function that torch marks deprecated; keep the console for our
+# progress lines.
 logging.getLogger("megatron").setLevel(logging.WARNING)
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
 
 
 def _one_run_dir_per_sweep_job(raw: DictConfig) -> None:

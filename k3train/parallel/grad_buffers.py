@@ -11,10 +11,13 @@ backward finishes them.
 **Accumulation** over the step's micro-batches i = 1..n:
 
 - fp32 parameters (their own main weights): autograd adds each backward's gradient into ``p.grad``,
-  which is the view, in place;
-- bf16 parameters: a post-accumulate-grad hook adds ``p.grad`` (bf16) into ``main(p).grad`` and frees it;
+  which is the view, in place, so ``zero`` clears the buffers;
+- bf16 parameters: a post-accumulate-grad hook copies ``p.grad`` (bf16) into ``main(p).grad`` the first
+  time in the step and adds it after that, then frees it; ``zero`` only marks every main gradient
+  stale, and ``reduce`` zeroes those that got no gradient all step (one micro-batch: one fp32 write
+  per parameter instead of a zero fill plus a read-modify-write);
 
-so a buffer holds g = Σ_i ∇(loss_i / n), summed in fp32. ``zero`` clears it for the next step.
+so a buffer holds g = Σ_i ∇(loss_i / n), summed in fp32, once ``reduce`` has run.
 
 **Data-parallel averaging.** The loss is the mean over the DP ranks of each rank's mean loss. A
 replicated parameter's gradient is averaged over DP×CP: g ← (Σ_dp_cp g) / |dp_cp|. An expert-parallel
@@ -73,6 +76,9 @@ class GradBuffers:
         self.groups = groups
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.device = params[0].device
+        self._params = params
+        self._copy_first = any(main_param(p) is not p for p in params)  # bf16 parameters
+        self._stale: set[int] = set()  # bf16 parameters without a gradient yet this step
         by_kind: dict[GradKind, list[nn.Parameter]] = {}
         for p in params:
             by_kind.setdefault(_kind(p), []).append(p)
@@ -130,7 +136,11 @@ class GradBuffers:
         """After autograd has accumulated ``p.grad`` in one backward."""
         main = main_param(p)
         if main is not p:
-            main.grad.add_(p.grad)
+            if id(p) in self._stale:
+                main.grad.copy_(p.grad)
+                self._stale.discard(id(p))
+            else:
+                main.grad.add_(p.grad)
             p.grad = None
         elif p.grad.data_ptr() != self._view_ptr[id(p)]:
             raise RuntimeError(f"the gradient of a parameter of shape {tuple(p.shape)} left its gradient buffer "
@@ -160,6 +170,9 @@ class GradBuffers:
 
     def zero(self) -> None:
         """Clear every main gradient (the step's first call)."""
+        if self._copy_first:
+            self._stale = {id(p) for p in self._params}
+            return
         for flat in self.flat.values():
             flat.zero_()
 
@@ -169,7 +182,11 @@ class GradBuffers:
         self._armed = bool(self._buckets)
 
     def reduce(self) -> None:
-        """Average the gradients over data parallelism (after the step's backwards)."""
+        """Complete the step's gradients after its backwards: zero those no backward reached, and average
+        over data parallelism. Norm, clipping and the optimizer read them after this."""
+        if self._stale:  # a bucket holding one has not started: it was not complete
+            torch._foreach_zero_([main_param(p).grad for p in self._params if id(p) in self._stale])
+            self._stale.clear()
         if not self._armed:
             self._reset()
         while self._next < len(self._buckets):

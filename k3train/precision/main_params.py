@@ -17,14 +17,14 @@ The main weights are the truth; the compute copies are derived from them by ``sy
                                       (Q(x) is exact in bf16, and Q(Q(x)) = Q(x))
     p ← main(p)                       for the ``keep_fp32`` ones
 
-The trainer calls it after every optimizer step (and QK-clip), after loading a checkpoint and at
-start. At construction the main weights are the model's fp32 initial values, so a bf16-parameter
-run starts from the same weights as an fp32 one.
+It runs at construction, and the trainer calls it after every optimizer step (and QK-clip) and after
+loading a checkpoint. At construction the main weights are the model's fp32 initial values, so a
+bf16-parameter run starts from the same weights as an fp32 one.
 
 Memory per parameter (bf16 params): 2 B compute copy + 4 B main weight + 4 B main gradient
 (``k3train.parallel.grad_buffers``) + the optimizer state (AdamW 8 B, Muon 4 B), against 4 + 4 + state
-for fp32 params; during the backward a bf16 gradient (2 B) lives until it has been added to the main
-gradient. Under bf16 autocast the fp32 model also saves a bf16 cast of each weight for the backward
+for fp32 params; during the backward a bf16 gradient (2 B) lives until it has been copied or added
+into the main gradient. Under bf16 autocast the fp32 model also saves a bf16 cast of each weight for the backward
 (2 B), which a bf16 model does not need.
 
 With ``precision.params=fp32`` nothing is copied: a parameter is its own main weight
@@ -33,7 +33,7 @@ With ``precision.params=fp32`` nothing is copied: a parameter is its own main we
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ class MainParams:
     ``sync_model`` is one copy kernel plus one for the fp32-kept parameters.
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, rounding: list[tuple[nn.Parameter, Rounding]] = ()):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, rounding: Sequence[tuple[nn.Parameter, Rounding]] = ()):
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"precision.params: parameters are fp32 or bf16, got {dtype}")
         self.dtype = dtype

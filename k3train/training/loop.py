@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -391,6 +392,10 @@ class Trainer:
             stop.update(now=True, name=signal.Signals(signum).name)
             if signum == signal.SIGINT:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+            if self.groups.is_main:  # os.write: a print here could re-enter a print it interrupted
+                again = "; Ctrl-C again aborts" if signum == signal.SIGINT else ""
+                os.write(sys.stderr.fileno(), f"k3train: {stop['name']}: saving a checkpoint after this step, "
+                                              f"then stopping{again}\n".encode())
 
         previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         deadline = time.monotonic() + 60 * t.exit_after_minutes if t.exit_after_minutes else None
