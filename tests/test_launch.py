@@ -54,7 +54,9 @@ def test_torchrun_starts_two_cpu_processes(tmp_path):
 def test_slurm_dry_run(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "scontrol").write_text("#!/bin/sh\necho nodeA\necho nodeB\n")
+    # A long host list: the first host must be taken without closing scontrol's pipe early
+    # (under pipefail, `| head -n 1` failed the job with exit 141 when it did).
+    (fake / "scontrol").write_text("#!/bin/sh\necho nodeA\nseq 1 100000 | sed 's/^/node/'\n")
     (fake / "scontrol").chmod(0o755)
     env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_SUBMIT_DIR": str(REPO), "SLURM_GPUS_ON_NODE": "4",

@@ -42,7 +42,7 @@ from k3train.parallel.pipeline.layout import build_chunks
 from k3train.parallel.pipeline.stage import OnAnotherStage, keep_stage
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
 from k3train.precision.main_params import MainParams
-from k3train.training.checkpoint import load_checkpoint, save_checkpoint
+from k3train.training.checkpoint import load_checkpoint, remove_incomplete_saves, save_checkpoint
 from k3train.training.checkpoint_writer import CheckpointWriter
 from k3train.training.collective_timeout import set_collective_timeout
 from k3train.training.profiling import PhaseTimer, StepProfiler
@@ -131,13 +131,15 @@ class Trainer:
 
     # --- setup -----------------------------------------------------------------------------
     def _claim_run_dir(self) -> None:
-        """Rank 0 locks train.out_dir and refuses to overwrite a run; every rank raises together."""
+        """Rank 0 locks train.out_dir, refuses to overwrite a run and clears what unfinished saves left;
+        every rank raises together."""
         error = None
         if self.groups.is_main:
             try:
                 check_no_overwrite(self.run_dir, self.cfg.train.resume)
                 self.lock.acquire()
                 atexit.register(self.lock.release)
+                remove_incomplete_saves(self.run_dir)
             except RunDirError as err:
                 error = err
         if self._any_rank(error is not None):

@@ -4,15 +4,20 @@ import torch
 from k3train.optim.newton_schulz import NS_COEFFS, muon_update_scale, newton_schulz, newton_schulz_reference
 
 
-@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (48, 48), (5, 40, 96), (7, 96, 40)])
-def test_singular_values_in_band(shape):
+def ns_input(shape) -> torch.Tensor:
+    """A random Gaussian input; square ones get singular values in [1, 4] instead (a square Gaussian
+    has singular values near 0 that 5 steps cannot lift)."""
     torch.manual_seed(torch.seed() % 2**31)
     G = torch.randn(shape)
     if shape[-1] == shape[-2]:
-        # a square Gaussian has singular values near 0 that 5 steps cannot lift; use a
-        # well-conditioned square input (condition number <= 4)
         U, _, Vh = torch.linalg.svd(G)
         G = U @ torch.diag_embed(torch.rand(G.shape[:-1]) * 3 + 1) @ Vh
+    return G
+
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (48, 48), (5, 40, 96), (7, 96, 40)])
+def test_singular_values_in_band(shape):
+    G = ns_input(shape)
     X = newton_schulz(G)
     assert X.shape == G.shape and X.dtype == torch.float32
     s = torch.linalg.svdvals(X)
@@ -62,11 +67,7 @@ def test_constants():
 def test_folded_normalization_is_scale_free(shape):
     # The Frobenius normalization runs through tr(G G^T) inside the first step: inputs from 1e-3 to
     # 1e4 give the float64 reference's result (fp32), and the update scale is applied once.
-    torch.manual_seed(torch.seed() % 2**31)
-    G = torch.randn(shape)
-    if shape[-1] == shape[-2]:
-        U, _, Vh = torch.linalg.svd(G)
-        G = U @ torch.diag_embed(torch.rand(G.shape[:-1]) * 3 + 1) @ Vh
+    G = ns_input(shape)
     ref = torch.stack([newton_schulz_reference(g) for g in G])
     for c in (1e-3, 1.0, 1e4):
         X = newton_schulz(G * c, scale=0.5)
