@@ -15,8 +15,12 @@ Quantile Balancing, nor keep router inputs, and MLA does not track its max logit
 as the original did (same inputs, weights and bias), so the gradients are those of ``none``.
 
 The model stays plain: a recomputed module's ``forward`` is replaced on the instance, so parameter
-names, state dicts and hooks are unchanged. Apply after the pipeline split (placeholders of other
-stages' layers are skipped) and after QAT (the fake-quant callables are read in each call).
+names and state dicts are unchanged (hooks on a recomputed module run once; hooks on its submodules
+run again in the replay). The replay runs the whole region (torch's early stop, once the last needed
+activation is rebuilt, is off): every rank then makes all the collectives its forward made, in the
+same order, whatever each rank saved (an expert-parallel rank without tokens saves less). Apply after
+the pipeline split (placeholders of other stages' layers are skipped) and after QAT (the fake-quant
+callables are read in each call).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import functools
 from typing import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from k3train.config.schema import RECOMPUTE_POLICIES
 from k3train.model.attn_res import AttnResAggregator
@@ -52,7 +56,8 @@ def recomputed(forward: Callable) -> Callable:
             with replay():
                 return forward(*a, **k)
 
-        return checkpoint(once_then_replay, *args, use_reentrant=False, **kwargs)
+        with set_checkpoint_early_stop(False):
+            return checkpoint(once_then_replay, *args, use_reentrant=False, **kwargs)
 
     return run
 
