@@ -119,10 +119,10 @@ def main() -> None:
            "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
            "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
-    print(f"{'model':>12} {'B×T':>10} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU(989)':>9} "
-          f"{'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    print(f"{args.model:>12} {args.batch}×{args.seq:<7} {args.recompute:>9} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} "
-          f"{tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
+    print(f"{'model':>12} {'B×T':>10} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} "
+          f"{'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
+    print(f"{args.model:>12} {args.batch}×{args.seq:<7} {args.recompute:>9} {row['step_ms']:>9.1f} "
+          f"{row['tokens_per_s']:>9.0f} {tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
     print(f"{args.params} params; phases (GPU time between events, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()))
     if args.profile:
         row["profile"] = profile(step)
