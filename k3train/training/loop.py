@@ -46,6 +46,7 @@ from k3train.training.checkpoint import load_checkpoint, remove_incomplete_saves
 from k3train.training.checkpoint_writer import CheckpointWriter
 from k3train.training.collective_timeout import set_collective_timeout
 from k3train.training.profiling import PhaseTimer, StepProfiler
+from k3train.training.recompute import apply_recompute
 from k3train.training.flops import peak_flops, train_flops_per_token
 from k3train.training.guards import StepGuard, TrainingStopped
 from k3train.training.integrity import resume_checkpoint
@@ -106,6 +107,7 @@ class Trainer:
             for m in self.model.modules():
                 if isinstance(m, GatedMLA):
                     m.track_max_logit = True
+        apply_recompute(self.model, t.recompute)  # after the stage split and QAT (k3train/training/recompute.py)
         self.main = MainParams(self.model, torch.bfloat16 if params_dtype == "bf16" else torch.float32, rounding)
         self.grads = GradBuffers(self.model, self.groups)
         self.moe_layer_ids = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]  # all stages'
