@@ -104,7 +104,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # "adamw" or "muon"
+    name: str = "adamw"  # "adamw" or "muon"; the Hydra default is conf/optim/muon.yaml (conf/config.yaml)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
