@@ -15,7 +15,9 @@ process: step time, MFU, peak memory, the first (compiling) step's time, and the
 graphs and graph breaks. FLOPs come from ``k3train.training.flops`` (KDA, MLA and active-expert
 aware), so MFU here is the same figure the trainer logs. MFU is reported against the H200 datasheet
 (989 TFLOP/s) and against the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694
-TFLOP/s). Writes JSON.
+TFLOP/s). ``--recompute`` applies an activation recompute policy (``train.recompute``,
+k3train/training/recompute.py) to the model first; compare peak memory and step time across policies.
+Writes JSON.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from k3train.config.schema import ModelConfig, OptimConfig
+from k3train.config.schema import RECOMPUTE_POLICIES, ModelConfig, OptimConfig
 from k3train.model.k3 import K3Model
 from k3train.optim.builder import build_optimizer
 from k3train.parallel.grad_buffers import GradBuffers
 from k3train.precision.main_params import MainParams
 from k3train.training.flops import train_flops_per_token
+from k3train.training.recompute import apply_recompute
 
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
 DATASHEET_TFLOPS = 989.0
@@ -55,6 +58,8 @@ def main() -> None:
     ap.add_argument("--json", default="train_step.json")
     ap.add_argument("--params", choices=("bf16", "fp32"), default="bf16",
                     help="parameter storage (precision.params): bf16 with fp32 main weights, or fp32")
+    ap.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default="none",
+                    help="activation recompute policy (train.recompute)")
     ap.add_argument("--compile", action="store_true",
                     help="then compile each layer as train.compile does and time the same model again")
     ap.add_argument("--profile", action="store_true",
@@ -67,6 +72,7 @@ def main() -> None:
     model = K3Model(cfg).to(device)
     main = MainParams(model, torch.bfloat16 if args.params == "bf16" else torch.float32)
     grads = GradBuffers(model, None)
+    apply_recompute(model, args.recompute)
     opt = build_optimizer(model, OptimConfig(lr=1e-4))
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -137,6 +143,7 @@ def main() -> None:
         compiled["graphs"] = counters["stats"]["unique_graphs"]
         compiled["graph_breaks"] = sum(counters["graph_break"].values())
         rows.append(compiled)
+    print(f"recompute: {args.recompute}")
     print(f"{'model':>12} {'variant':>9} {'B×T':>10} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU(989)':>9} "
           f"{'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'1st step s':>10}")
     for r in rows:
@@ -151,7 +158,7 @@ def main() -> None:
         print(f"compiled: {c['graphs']} layer graphs, {c['graph_breaks']} graph breaks, compile ≈ {c['compile_s']:.0f} s "
               f"(first step minus an eager step); step {rows[0]['step_ms'] / c['step_ms']:.2f}x eager")
     row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": f"bf16 autocast, {args.params} params",
-           "gpu": torch.cuda.get_device_name(), **rows[0]}
+           "recompute": args.recompute, "gpu": torch.cuda.get_device_name(), **rows[0]}
     if args.compile:
         row["compiled"] = rows[1]
     if args.profile:

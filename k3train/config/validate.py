@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import typing
 
-from k3train.config.schema import PRECISION_RECIPES, K3Config, ModelConfig, PrecisionConfig
+from k3train.config.schema import PRECISION_RECIPES, RECOMPUTE_POLICIES, K3Config, ModelConfig, PrecisionConfig
 from k3train.parallel.pipeline.layout import layout_error
 
 
@@ -166,6 +166,8 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
           f"train.loss_spike_action={t.loss_spike_action!r}: use skip or stop")
     _need(t.collective_timeout_s > 0, f"train.collective_timeout_s={t.collective_timeout_s} must be positive "
                                       f"(seconds a collective may wait, e.g. 600)")
+    _need(t.recompute in RECOMPUTE_POLICIES,
+          f"train.recompute={t.recompute!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
     ps = list(t.profile_steps)
     _need(not ps or (len(ps) == 2 and 1 <= ps[0] <= ps[1] <= t.steps),
           f"train.profile_steps={ps} must be [] (off) or [first, last] with 1 <= first <= last <= train.steps="
@@ -209,6 +211,10 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
               f"precision.recipe={pr.recipe}, precision.expert_qat={pr.expert_qat}: train.compile=true is built and "
               f"tested with the plain bf16 GEMMs (precision.recipe=bf16, precision.expert_qat=false); set those or "
               f"train.compile=false")
+        _need(t.recompute == "none",
+              f"train.recompute={t.recompute}: train.compile=true is not built or tested with activation recompute "
+              f"(a recomputed module's replay flag is a Python global the compiled graphs would guard on); set "
+              f"train.recompute=none or train.compile=false")
         compute, _ = precision_dtypes(pr, _device_type(t.device))
         _need(compute == "bf16", f"precision.dtype={pr.dtype} with train.device={t.device} runs fp32 activations, "
                                  f"and torch.compile traces the routed experts' grouped GEMM (torch._grouped_mm) in "

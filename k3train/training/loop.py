@@ -46,12 +46,14 @@ from k3train.training.checkpoint import load_checkpoint, remove_incomplete_saves
 from k3train.training.checkpoint_writer import CheckpointWriter
 from k3train.training.collective_timeout import set_collective_timeout
 from k3train.training.profiling import PhaseTimer, StepProfiler
+from k3train.training.recompute import apply_recompute
 from k3train.training.flops import peak_flops, train_flops_per_token
 from k3train.training.guards import StepGuard, TrainingStopped
 from k3train.training.integrity import resume_checkpoint
 from k3train.training.resume_report import drop_metrics_after, report_config_changes
 from k3train.training.run_dir import RunDirError, RunDirLock, check_no_overwrite
 from k3train.training.metrics import MetricsLogger
+from k3train.training.optimizer_metrics import optimizer_metrics
 from k3train.training.micro_batches import MicroBatchLoop
 
 
@@ -79,7 +81,8 @@ class Trainer:
         self.groups: ParallelGroups = init_parallel(cfg.parallel, self.device)
         g = self.groups
         if g.world_size > 1:
-            set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp, g.cp, g.dp_cp, g.pp], t.collective_timeout_s)
+            set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp, g.cp, g.dp_cp, g.pp, g.tp_ep_pp],
+                                   t.collective_timeout_s)
         self.writer = CheckpointWriter(asynchronous=t.async_save)
         self.profiler = StepProfiler(Path(t.out_dir), list(t.profile_steps), self.device, self.groups.rank)
         self.run_dir = Path(t.out_dir)
@@ -107,6 +110,7 @@ class Trainer:
             for m in self.model.modules():
                 if isinstance(m, GatedMLA):
                     m.track_max_logit = True
+        apply_recompute(self.model, t.recompute)  # after the stage split and QAT (k3train/training/recompute.py)
         self.main = MainParams(self.model, torch.bfloat16 if params_dtype == "bf16" else torch.float32, rounding)
         self.grads = GradBuffers(self.model, self.groups)
         if t.compile:
@@ -273,7 +277,7 @@ class Trainer:
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
             "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe),
-            **self._optimizer_metrics(skipped, qk_clip), **timer.record(),
+            **(self._optimizer_metrics(skipped, qk_clip) if self._is_log_step(step) else {}), **timer.record(),
         }
 
     def _is_log_step(self, step: int) -> bool:
@@ -281,15 +285,13 @@ class Trainer:
 
     def _optimizer_metrics(self, skipped: bool, qk_clip: dict | None) -> dict:
         """Muon's update RMS (before the LR; ~0.2 by design) and QK-clip's heads clipped this step and the
-        largest attention logit before the clip (over DP, all MLA layers)."""
-        out = {}
-        info = getattr(self.optimizer, "last_step_info", None)
-        if info and "update_rms" in info and not skipped and not self.optimizer.last_step_skipped:
-            out["muon_update_rms"] = float(info["update_rms"])
-        if qk_clip is not None:
-            out["qk_clip_heads"] = qk_clip["num_clipped_heads"]
-            out["qk_max_logit"] = qk_clip["max_logit"] if abs(qk_clip["max_logit"]) != float("inf") else None
-        return out
+        largest attention logit before the clip, over the whole model (all ranks' parts: ``optimizer_metrics``)."""
+        if skipped:
+            return {}
+        muon = None
+        if self.cfg.optim.name == "muon":
+            muon = {} if self.optimizer.last_step_skipped else self.optimizer.last_step_info
+        return optimizer_metrics(muon, qk_clip, self.groups, self.device)
 
     def _expert_load(self, moe: list) -> dict:
         """Per-layer expert load of the step, pooled over micro-batches and DP×CP ranks (one all-reduce

@@ -113,6 +113,7 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
     ({"precision": {"linear_backend": "megatron"}}, "precision.linear_backend"),
     ({"precision": {"recipe": "mxfp8"}}, "precision.recipe"),
     ({"precision": {"expert_qat": True}}, "precision.expert_qat"),
+    ({"train": {"recompute": "full"}}, "train.recompute"),
 ])
 def test_config_refuses_what_is_not_compiled(override, field):
     cfg = K3Config()
