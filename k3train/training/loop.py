@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from k3train.config.schema import K3Config
 from k3train.config.validate import precision_dtypes
+from k3train.data.batches import batch_to_device
 from k3train.model.k3 import K3Model
 from k3train.model.mla import GatedMLA
 from k3train.optim.builder import build_optimizer, build_scheduler
@@ -224,7 +225,7 @@ class Trainer:
 
     # --- one step --------------------------------------------------------------------------
     def _forward(self, batch: dict) -> torch.Tensor:
-        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        b = batch_to_device(batch, self.device)
         with _autocast(self.device, self.compute_dtype):
             return self.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
 

@@ -14,6 +14,8 @@ import traceback
 import torch
 from torch.overrides import TorchFunctionMode
 
+from multiprocess import run_ranks
+
 from k3train.config.load import load_config
 from k3train.training.loop import Trainer
 
@@ -34,10 +36,10 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_that_logs_nothing_reads_the_device_once(tmp_path):
+def _body(rank: int, world: int, out_dir: str) -> None:
     cfg = load_config(["model=k3_tiny", "train.device=cpu", "data.seq_len=64", "train.global_batch_size=4",
                        "train.micro_batch_size=2", "train.eval_every=0", "train.save_every=0", "logging.wandb=false",
-                       "logging.console=false", "train.log_every=100", "train.steps=10", f"train.out_dir={tmp_path}"])
+                       "logging.console=false", "train.log_every=100", "train.steps=10", f"train.out_dir={out_dir}"])
     assert cfg.optim.name == "muon" and cfg.optim.qk_clip_tau
     trainer = Trainer(cfg)
     try:
@@ -53,3 +55,7 @@ def test_a_step_that_logs_nothing_reads_the_device_once(tmp_path):
     print(dict(reads.sites))
     assert loop == {"training/loop.py:train_step": 1}, loop
     assert not record["skipped"] and "expert_load_max_over_mean" not in record and "muon_update_rms" not in record
+
+
+def test_a_step_that_logs_nothing_reads_the_device_once(tmp_path):
+    run_ranks(1, _body, str(tmp_path))  # its own process: the trainer sets the process group and env up
