@@ -30,7 +30,9 @@ of its (TP-local) parameters, so the optimizer state is that of the 1-rank optim
 
 A step whose gradients contain inf/NaN on any rank is skipped on all ranks: nothing
 (momentum, AdamW moments, step counters, weights) is touched. ``last_step_skipped`` and
-``num_skipped_steps`` report it, and a ``RuntimeWarning`` names the first bad parameter.
+``num_skipped_steps`` report it, and a ``RuntimeWarning`` names the first bad parameter. The check
+reads every gradient, waits on the host and all-reduces over TP and DP; a caller that has already
+checked the global gradient norm (the trainer's step guard) sets ``check_finite = False``.
 
 This module imports only torch and k3train's light modules (no megatron-core), so the
 GPU benchmark can use it on a machine without megatron.
@@ -182,6 +184,7 @@ class K3Muon(torch.optim.Optimizer):
         self.ns_fn = ns_fn or newton_schulz
         self.stack_max_blocks = stack_max_blocks
         self.elementwise_backend = elementwise_backend
+        self.check_finite = True  # skip steps with non-finite gradients (module docstring)
         self.last_step_skipped = False
         self.num_skipped_steps = 0
         self.last_step_info: dict[str, Any] = {}
@@ -255,7 +258,7 @@ class K3Muon(torch.optim.Optimizer):
                     if p.grad.is_sparse:
                         raise RuntimeError("K3Muon does not support sparse gradients")
                     grads.append(p.grad)
-        if not self._grads_finite(grads):
+        if self.check_finite and not self._grads_finite(grads):
             self.last_step_skipped = True
             self.num_skipped_steps += 1
             warnings.warn(

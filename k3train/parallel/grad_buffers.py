@@ -225,8 +225,10 @@ class GradBuffers:
         return total.sqrt()
 
     def clip(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        """g ← g · min(1, max_norm / ‖g‖) (no-op when max_norm is 0 or ‖g‖ is not finite)."""
-        if max_norm <= 0 or not torch.isfinite(total_norm):
+        """g ← g · min(1, max_norm / ‖g‖) (no-op when max_norm is 0 or ‖g‖ is not finite), without
+        reading ‖g‖ back to the host."""
+        if max_norm <= 0:
             return
         coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
         torch._foreach_mul_(list(self.flat.values()), coef)

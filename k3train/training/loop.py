@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from k3train.config.schema import K3Config
 from k3train.config.validate import precision_dtypes
+from k3train.data.batches import batch_to_device
 from k3train.model.k3 import K3Model
 from k3train.model.mla import GatedMLA
 from k3train.optim.builder import build_optimizer, build_scheduler
@@ -121,6 +122,8 @@ class Trainer:
         self.local_moe_rows = [r for r, i in enumerate(self.moe_layer_ids)
                                if not isinstance(self.model.layers[i], OnAnotherStage)]
         self.optimizer = build_optimizer(self.model, cfg.optim, self.groups)
+        if hasattr(self.optimizer, "check_finite"):  # the step guard checks the global norm before step()
+            self.optimizer.check_finite = False
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
 
         self.n_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
@@ -227,7 +230,7 @@ class Trainer:
 
     # --- one step --------------------------------------------------------------------------
     def _forward(self, batch: dict) -> torch.Tensor:
-        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        b = batch_to_device(batch, self.device)
         with _autocast(self.device, self.compute_dtype):
             return self.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
 
@@ -250,8 +253,10 @@ class Trainer:
                 dist.all_reduce(loss_sum, group=self.groups.dp_cp)
                 loss_sum /= self.groups.dp_cp_size
         self.grads.clip(self.cfg.optim.grad_clip, grad_norm)
-        loss_value = float(loss_sum / self.n_micro)
-        skip_reason = self.guard.check(loss_value, float(grad_norm))
+        # The step's one host read (the guard decides before the update); nothing below reads the device
+        # back on a step that does not log, so the host queues the next step while the optimizer runs.
+        loss_value, grad_norm = torch.stack([loss_sum / self.n_micro, grad_norm.to(loss_sum.dtype)]).tolist()
+        skip_reason = self.guard.check(loss_value, grad_norm)
         skipped = skip_reason is not None
         qk_clip = None
         with timer("optimizer"):
@@ -266,17 +271,17 @@ class Trainer:
                 self.main.sync_model()  # before re-scoring the router inputs with the updated router
             for layer in moe:
                 layer.update_bias(self.groups.dp_cp)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if timer.sync:  # log steps: the step's own time. Other steps leave the optimizer's kernels queued
+            torch.cuda.synchronize(self.device)  # while the host starts the next step (the guard's read waits)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         achieved = tokens * self.flops_per_token / elapsed / max(1, self.groups.world_size)
         return {
             "kind": "train", "step": step, "loss": loss_value,
-            "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
-            "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe),
+            "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe, self._is_log_step(step) or skipped),
             **(self._optimizer_metrics(skipped, qk_clip) if self._is_log_step(step) else {}), **timer.record(),
         }
 
@@ -293,11 +298,16 @@ class Trainer:
             muon = {} if self.optimizer.last_step_skipped else self.optimizer.last_step_info
         return optimizer_metrics(muon, qk_clip, self.groups, self.device)
 
-    def _expert_load(self, moe: list) -> dict:
+    def _expert_load(self, moe: list, report: bool) -> dict:
         """Per-layer expert load of the step, pooled over micro-batches and DP×CP ranks (one all-reduce
         each for the counts and the worst micro-batch), and each layer's QB bias range; under pipeline
-        parallelism gathered from all stages, so that rank 0 logs every layer."""
+        parallelism gathered from all stages, so that rank 0 logs every layer. ``report`` false (a step
+        that logs nothing): only reset the counters, with no collective and no host read."""
         if not self.moe_layer_ids:
+            return {}
+        if not report:  # counters start over each step; pooling and logging only on the steps that log
+            for layer in moe:
+                layer.load.reset()
             return {}
         E = self.cfg.model.num_experts
         tokens = torch.stack([layer.load.tokens for layer in moe]) if moe else torch.zeros(0, E, device=self.device)
