@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -236,12 +237,14 @@ class Trainer:
 
     def train_step(self) -> dict:
         self.model.train()
-        start = time.perf_counter()
-        self.grads.zero()
-        moe = self.model.moe_layers()
         step = self.step + 1
         timer = PhaseTimer(self.device, synchronize=self._is_log_step(step) or self.profiler.active(step),
                            label=self.profiler.active(step))
+        if timer.sync:  # a timed step starts after what the previous step left queued
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self.grads.zero()
+        moe = self.model.moe_layers()
         with timer("data"):
             batches = [next(self.train_iter) for _ in range(self.n_micro)]
         with timer("fwd_bwd"):  # Quantile Balancing within the step (model.qb_updates_per_step) included
@@ -288,7 +291,7 @@ class Trainer:
     def _is_log_step(self, step: int) -> bool:
         return step % self.cfg.train.log_every == 0 or step in (1, self.cfg.train.steps)
 
-    def _optimizer_metrics(self, skipped: bool, qk_clip: dict | None) -> dict:
+    def _optimizer_metrics(self, skipped: bool, qk_clip: Mapping | None) -> dict:
         """Muon's update RMS (before the LR; ~0.2 by design) and QK-clip's heads clipped this step and the
         largest attention logit before the clip, over the whole model (all ranks' parts: ``optimizer_metrics``)."""
         if skipped:
