@@ -20,6 +20,7 @@ import torch
 from k3train.parallel.context_shard import ContextShard
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
 
 
 def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -29,7 +30,6 @@ def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dic
     if device.type != "cuda":
         return {k: v.to(device) for k, v in batch.items()}
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
-_DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
 
 
 class BatchIterator:

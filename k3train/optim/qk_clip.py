@@ -124,10 +124,11 @@ def apply_qk_clip(model: nn.Module, tau: Optional[float], group=None) -> QKClipR
             flat = flat.cuda()
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     heads = [int(m.num_heads) for _, m in mods]
-    bad = torch.isnan(flat) | (flat == float("inf"))
-    over = (~bad) & torch.isfinite(flat) & (flat > tau) if tau is not None else torch.zeros_like(bad)
-    eta = torch.where(over, tau / flat.clamp_min(1e-30), torch.ones_like(flat)) if tau is not None else \
-        torch.ones_like(flat)
+    if tau is None:
+        over, eta = torch.zeros_like(flat, dtype=torch.bool), torch.ones_like(flat)
+    else:  # NaN and +inf maxima are reported (QKClipReport), never clipped: tau / inf would zero the head
+        over = torch.isfinite(flat) & (flat > tau)
+        eta = torch.where(over, tau / flat.clamp_min(1e-30), torch.ones_like(flat))
     off = 0
     for (_, m), H in zip(mods, heads):
         if tau is not None:

@@ -247,7 +247,10 @@ def remove_incomplete_saves(run_dir: Path) -> list[str]:
     for tmp in sorted(ckpt_root.glob(".tmp_step_*")) + sorted(ckpt_root.glob(f".{LATEST}.tmp")):
         files = [f for f in tmp.rglob("*") if f.is_file()] if tmp.is_dir() else [tmp]
         size = sum(f.stat().st_size for f in files)
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink()
         print(f"k3train: warning: removed {tmp} ({size / 2**20:.1f} MiB), left by a save that did not finish",
               file=sys.stderr, flush=True)
         removed.append(tmp.name)

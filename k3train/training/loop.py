@@ -238,7 +238,8 @@ class Trainer:
     def train_step(self) -> dict:
         self.model.train()
         step = self.step + 1
-        timer = PhaseTimer(self.device, synchronize=self._is_log_step(step) or self.profiler.active(step),
+        logs = self._is_log_step(step)
+        timer = PhaseTimer(self.device, synchronize=logs or self.profiler.active(step),
                            label=self.profiler.active(step))
         if timer.sync:  # a timed step starts after what the previous step left queued
             torch.cuda.synchronize(self.device)
@@ -284,8 +285,8 @@ class Trainer:
             "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
-            "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe, self._is_log_step(step) or skipped),
-            **(self._optimizer_metrics(skipped, qk_clip) if self._is_log_step(step) else {}), **timer.record(),
+            "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe, logs or skipped),
+            **(self._optimizer_metrics(skipped, qk_clip) if logs else {}), **timer.record(),
         }
 
     def _is_log_step(self, step: int) -> bool:
