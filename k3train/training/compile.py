@@ -6,8 +6,9 @@ within a run. Dynamo inlines the layer's modules, so parameters are graph inputs
 kind (same attention-residual bank length, block write, mixer and FFN) share one compiled graph;
 the pointwise and reduction glue between the GEMMs and our Triton kernels (RMSNorm, gates, router
 sigmoid/top-k normalisation, AttnRes glue, residual adds, casts) fuses into few Triton kernels.
-The Triton kernels themselves are ``torch.library`` custom ops with fake shapes, so they sit
-inside the graphs; nothing in a layer reads a tensor back to the host.
+Under compilation the Triton kernels are ``torch.library`` custom ops with fake shapes
+(``kernels.backend.eager_or_compiled``; eager calls launch them directly), so they sit inside the
+graphs; nothing in a layer reads a tensor back to the host.
 
 The embedding and the output head stay eager. The number of packed documents (the length of
 ``Documents.cu_seqlens``) changes from batch to batch: it is marked dynamic where the documents are

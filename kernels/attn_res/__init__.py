@@ -10,8 +10,9 @@ and gradients in ``reference.py``). ``backend``:
 * ``"triton"``: the kernels of ``triton_attn_res.py``: one launch forward, one backward, sources
   read in place (no stack); saves the sources (alive anyway as bank rows), the per-token r_i and
   a_i ([..., S] fp32), and q̃ = w ⊙ γ; the gradients of w and γ follow from dq̃ by torch autograd.
-  A ``torch.library`` custom op (``k3::attn_res``, its backward ``k3::attn_res_backward``) with
-  fake shapes, so ``torch.compile`` keeps it inside its graphs. On CPU through Triton's
+  Eagerly an autograd.Function that launches the kernels directly; under ``torch.compile`` a
+  ``torch.library`` custom op (``k3::attn_res``, its backward ``k3::attn_res_backward``) with fake
+  shapes, so that inductor keeps it inside its graphs (``backend.eager_or_compiled``). On CPU through Triton's
   interpreter (``TRITON_INTERPRET=1`` before triton is imported);
 * ``"torch"``: ``reference.attn_res_forward``, differentiated by torch autograd.
 """
@@ -21,8 +22,9 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from ..backend import use_triton
+from ..backend import eager_or_compiled, use_triton
 from . import reference
 from .triton_attn_res import MAX_SOURCES
 
@@ -34,6 +36,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1, x.shape[-1])
 
 
+class _AttnResAggregate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qt, *sources):
+        from .triton_attn_res import attn_res_fwd
+        rows = [_rows(v) for v in sources]
+        out, r, a = attn_res_fwd(rows, qt)
+        ctx.save_for_backward(qt, r, a, *sources)
+        return out.view(sources[0].shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        from .triton_attn_res import attn_res_bwd
+        qt, r, a, *sources = ctx.saved_tensors
+        dvs, dqt = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a)
+        return (dqt, *(dv.view(v.shape) for dv, v in zip(dvs, sources)))
+
+
+# Under torch.compile: the same kernels as custom ops.
 @torch.library.custom_op("k3::attn_res", mutates_args=())
 def _attn_res(qt: torch.Tensor, sources: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton forward: (out [..., d] in the sources' dtype, r and a [M, S] fp32 for backward)."""
@@ -75,6 +96,9 @@ def _backward(ctx, grad_out, _grad_r, _grad_a):
 
 _attn_res.register_autograd(_backward, setup_context=_setup_context)
 
+_aggregate = eager_or_compiled(lambda qt, sources: _AttnResAggregate.apply(qt, *sources),
+                               lambda qt, sources: _attn_res(qt, sources)[0])
+
 
 def attn_res_aggregate(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
                        backend: str = "auto") -> torch.Tensor:
@@ -93,5 +117,5 @@ def attn_res_aggregate(sources: list[torch.Tensor], query: torch.Tensor, gain: t
                           "reference (stacked, slower)", stacklevel=2)
         else:
             qt = (query.float().view(-1) * gain.float()).contiguous()
-            return _attn_res(qt, list(sources))[0]
+            return _aggregate(qt, list(sources))
     return reference.attn_res_forward(sources, query, gain)

@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
 
+from ..backend import eager_or_compiled
+
 # Reductions call tl.reduce / tl.associative_scan with the stock sum combiner directly
 # rather than tl.sum / tl.cumsum: identical code on the GPU, and under TRITON_INTERPRET
 # it skips a per-call re-patching of triton.language that made the CPU tests ~10x slower.
@@ -482,25 +484,38 @@ def chunk_capacity(T: int, N: int, seq_len: int | None) -> int:
     return T // CHUNK + N
 
 
-def _chunk_tables(cu: torch.Tensor, C: int, rows: int, seq_len=None):
-    """cu: int64 [N+1] on device.  Returns chunk_seq, chunk_bos (int32 [rows]) and chunk_off
-    (int32 [N+1]), computed on the device.  Packed documents fill the first Σ_n ⌈len_n/C⌉ of the
-    ``rows`` chunk slots; the rest are empty chunks (chunk_bos at or past the end of the last
-    document), which the per-chunk kernels mask out token by token."""
+def _chunk_tables(cu: torch.Tensor, C: int, seq_len=None, rows: int | None = None):
+    """cu: int64 [N+1] on device.  Returns chunk_seq, chunk_bos (int32 [NC]), chunk_off
+    (int32 [N+1]) and NC.  With equal lengths (seq_len given) no host sync is needed.  Packed
+    documents: NC is the exact chunk count, read back to the host (one sync; the eager path), or
+    ``rows``, ``chunk_capacity``'s bound known from shapes (no sync; the custom op that
+    ``torch.compile`` traces): the documents fill the first Σ_n ⌈len_n/C⌉ slots, the rest are
+    empty chunks (chunk_bos at or past the end of the last document), which the per-chunk kernels
+    mask out token by token."""
     N = cu.numel() - 1
     if seq_len is not None:
         nt = (seq_len + C - 1) // C
-        idx = torch.arange(rows, device=cu.device, dtype=torch.int32)
+        idx = torch.arange(N * nt, device=cu.device, dtype=torch.int32)
         seq = idx // nt
         bos = seq * seq_len + (idx % nt) * C
         off = torch.arange(N + 1, device=cu.device, dtype=torch.int32) * nt
-        return seq, bos, off
+        return seq, bos, off, N * nt
     lens = cu[1:] - cu[:-1]
+    if rows is None:
+        nch = (lens + C - 1) // C
+        off = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
+        off[1:] = torch.cumsum(nch, 0)
+        NC = int(off[-1].item())
+        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), nch,
+                                      output_size=NC)
+        idx = torch.arange(NC, device=cu.device) - off[seq]
+        bos = cu[seq] + idx * C
+        return seq.to(torch.int32), bos.to(torch.int32), off.to(torch.int32), NC
     off = torch.cat([cu.new_zeros(1), torch.cumsum((lens + C - 1) // C, 0)])
     idx = torch.arange(rows, device=cu.device)
     seq = torch.searchsorted(off[1:], idx, right=True).clamp_(max=N - 1)
     bos = cu[seq] + (idx - off[seq]) * C
-    return seq.to(torch.int32), bos.to(torch.int32), off.to(torch.int32)
+    return seq.to(torch.int32), bos.to(torch.int32), off.to(torch.int32), rows
 
 
 def _dot_dtype(x: torch.Tensor):
@@ -532,7 +547,9 @@ def _scan_launch(N, H, V, dev):
 
 
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2,
-            output_final_state, seq_len=None):
+            output_final_state, seq_len=None, padded=False):
+    """``padded``: size the per-chunk buffers by ``chunk_capacity`` (no host sync, shapes known to
+    torch.compile) instead of the exact chunk count of packed documents."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
@@ -540,8 +557,8 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     BV = _pick(V, "bwd_bv")
     dev = q.device
     N = cu.numel() - 1
-    NC = chunk_capacity(B * T, N, seq_len)
-    seq, bos, off = _chunk_tables(cu, C, NC, seq_len)
+    rows = chunk_capacity(B * T, N, seq_len) if padded else None
+    seq, bos, off, NC = _chunk_tables(cu, C, seq_len, rows)
     SBV, s_warps, s_stages = _scan_launch(N, H, V, dev)
     DT = _dot_dtype(q)
     Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs = _chunk_buffers(q, v, NC)
@@ -578,7 +595,8 @@ def _chunk_buffers(q: torch.Tensor, v: torch.Tensor, NC: int) -> tuple[torch.Ten
 
 
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved,
-            do, dht):
+            do, dht, padded=False):
+    """``padded``: the forward ran with ``padded`` (chunk slots past the last document are empty)."""
     Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs, seq, bos, off, cu32 = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -626,12 +644,35 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, BKL=BKL, USE_L2=use_l2,
                             DT=DT, GP=GP, GPREC=GPREC, INV_PREC=CONFIG["bwd_inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
-    real = (torch.arange(NC, device=dev) < off[-1])[:, None]  # chunk slots past the last document: empty
-    dA_log = torch.where(real, dA_part, 0.0).sum(0)
-    ddt = torch.where(real[:, :, None], ddt_part, 0.0).sum(0)[:, :K].reshape(H * K)
+    if padded:  # chunk slots past the last document are empty: their partial sums are not written
+        real = (torch.arange(NC, device=dev) < off[-1])[:, None]
+        dA_part = torch.where(real, dA_part, 0.0)
+        ddt_part = torch.where(real[:, :, None], ddt_part, 0.0)
+    dA_log = dA_part.sum(0)
+    ddt = ddt_part.sum(0)[:, :K].reshape(H * K)
     return dq, dk, dv, dg, db, dA_log, ddt, dh0
 
 
+class KDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, scale,
+                use_l2, output_final_state, seq_len):
+        o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                               initial_state, cu, use_l2, output_final_state, seq_len)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *saved)
+        ctx.meta = (lower_bound, scale, initial_state is not None, use_l2)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, *saved = ctx.saved_tensors
+        lower_bound, scale, has_h0, use_l2 = ctx.meta
+        dq, dk, dv, dg, db, dA_log, ddt, dh0 = kda_bwd(
+            q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht)
+        return dq, dk, dv, dg, db, dA_log, ddt, dh0, None, None, None, None, None, None
+
+
+# Under torch.compile: the same kernels as custom ops, with chunk buffers sized from shapes (padded).
 @torch.library.custom_op("k3::kda", mutates_args=())
 def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
          A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor], cu: torch.Tensor,
@@ -639,7 +680,7 @@ def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The Triton forward: (o, the final state or an empty tensor, the buffers for backward)."""
     o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, cu, use_l2,
-                           output_final_state, seq_len)
+                           output_final_state, seq_len, padded=True)
     return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32), list(saved)
 
 
@@ -663,7 +704,8 @@ def _kda_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v, g, beta, A_log, dt_bias and the initial state (empty without one)."""
-    *grads, dh0 = kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht)
+    *grads, dh0 = kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht,
+                          padded=True)
     return *grads, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
 
 
@@ -692,13 +734,24 @@ def _kda_grad(ctx, do, dht, _saved_grads):
 _kda.register_autograd(_kda_grad, setup_context=_kda_setup)
 
 
+def _kda_compiled(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, scale, use_l2,
+                  output_final_state, seq_len):
+    o, ht, _ = _kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, scale, use_l2,
+                    output_final_state, seq_len)
+    return o, ht if output_final_state else None
+
+
+_kda_call = eager_or_compiled(KDAFunction.apply, _kda_compiled)
+
+
 def kda_triton(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None,
                initial_state=None, output_final_state=False, cu_seqlens=None,
                use_qk_l2norm=True, validate=True):
     """Triton KDA (same contract as kernels.kda.kda).  Works on CUDA tensors, and on CPU
-    tensors under TRITON_INTERPRET=1 (tests).  One ``torch.library`` custom op (``k3::kda``, its
-    backward ``k3::kda_backward``) with fake shapes: no host sync, and ``torch.compile`` keeps it
-    inside its graphs."""
+    tensors under TRITON_INTERPRET=1 (tests).  Eagerly ``KDAFunction`` (packed documents: one
+    host sync for the exact chunk count); under ``torch.compile`` one ``torch.library`` custom op
+    (``k3::kda``, its backward ``k3::kda_backward``) with fake shapes and chunk buffers sized from
+    shapes: no host sync, and inductor keeps it inside its graphs."""
     if validate:
         from . import validate_inputs
         validate_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
@@ -712,6 +765,5 @@ def kda_triton(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
         seq_len = None
-    o, ht, _ = _kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, float(lower_bound), float(scale),
-                    bool(use_qk_l2norm), bool(output_final_state), seq_len)
-    return o, ht if output_final_state else None
+    return _kda_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, float(lower_bound), float(scale),
+                     bool(use_qk_l2norm), bool(output_final_state), seq_len)

@@ -15,10 +15,12 @@ that write every row once, so nothing uses atomics and results are deterministic
 
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
 * ``"triton"``: the kernels of ``triton_permute.py`` (bf16, fp16, fp32), one launch forward and
-  one backward each, reading only ``inverse``; dispatch saves only ``inverse``, combine ``inverse``,
-  y and weights. Both are ``torch.library`` custom ops (``k3::moe_dispatch_rows``,
-  ``k3::moe_combine_rows``, with fake shapes and their backwards as ops), so ``torch.compile``
-  keeps them in its graphs. On CPU through Triton's interpreter, which needs
+  one backward each, reading only ``inverse``; dispatch saves only ``inverse``, combine ``inverse``
+  plus y (if weights need a gradient) and weights (if y needs one). Eagerly autograd.Functions
+  that launch them directly; under ``torch.compile`` ``torch.library`` custom ops
+  (``k3::moe_dispatch_rows``, ``k3::moe_combine_rows``, with fake shapes and their backwards as
+  ops; combine saves y and weights), so that inductor keeps them in its graphs
+  (``backend.eager_or_compiled``). On CPU through Triton's interpreter, which needs
   ``TRITON_INTERPRET=1`` before triton is imported;
 * ``"torch"``: ``reference.dispatch_rows`` / ``reference.combine_rows``, differentiated by torch
   autograd.
@@ -27,8 +29,9 @@ that write every row once, so nothing uses atomics and results are deterministic
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from ..backend import use_triton
+from ..backend import eager_or_compiled, use_triton
 from . import reference
 
 __all__ = ["dispatch_rows", "combine_rows"]
@@ -48,6 +51,41 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
+class _DispatchRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, inverse, top_k):
+        from .triton_permute import dispatch_forward
+        ctx.save_for_backward(inverse)
+        ctx.top_k, ctx.dtype = top_k, z.dtype
+        return dispatch_forward(z, inverse, top_k)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dx):
+        from .triton_permute import dispatch_backward
+        (inverse,) = ctx.saved_tensors
+        return dispatch_backward(_rows(dx), inverse, ctx.top_k, ctx.dtype), None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, inverse):
+        from .triton_permute import combine_forward
+        need_dy, need_dw = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(y if need_dw else None, weights if need_dy else None, inverse)
+        ctx.top_k, ctx.dtypes = weights.shape[1], (y.dtype, weights.dtype)
+        return combine_forward(y, weights, inverse)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, du):
+        from .triton_permute import combine_backward
+        y, weights, inverse = ctx.saved_tensors
+        dy, dw = combine_backward(_rows(du), y, weights, inverse, ctx.top_k, *ctx.dtypes)
+        return dy, dw, None
+
+
+# Under torch.compile: the same kernels as custom ops.
 @torch.library.custom_op("k3::moe_dispatch_rows", mutates_args=())
 def _dispatch(z: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     from .triton_permute import dispatch_forward
@@ -120,6 +158,9 @@ def _combine_grad(ctx, du):
 
 _combine.register_autograd(_combine_grad, setup_context=_combine_setup)
 
+_dispatch_call = eager_or_compiled(_DispatchRows.apply, _dispatch)
+_combine_call = eager_or_compiled(_CombineRows.apply, _combine)
+
 
 def dispatch_rows(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int,
                   backend: str = "auto") -> torch.Tensor:
@@ -128,7 +169,7 @@ def dispatch_rows(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, t
         raise ValueError(f"z must be [N, ℓ] and top_k ≥ 1, got {tuple(z.shape)} and {top_k}")
     _check_indices(order, inverse, z.shape[0] * top_k, z.device)
     if use_triton(z, backend, "MoE permute"):
-        return _dispatch(_rows(z), inverse.contiguous(), int(top_k))
+        return _dispatch_call(_rows(z), inverse.contiguous(), int(top_k))
     return reference.dispatch_rows(z, order, inverse, top_k)
 
 
@@ -144,5 +185,5 @@ def combine_rows(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, in
                          f"{weights.dtype} on {weights.device}")
     _check_indices(order, inverse, y.shape[0], y.device)
     if use_triton(y, backend, "MoE permute"):
-        return _combine(_rows(y), weights.contiguous(), inverse.contiguous())
+        return _combine_call(_rows(y), weights.contiguous(), inverse.contiguous())
     return reference.combine_rows(y, weights, order, inverse)

@@ -7,9 +7,10 @@ returned in x's dtype (math and gradients in ``reference.py``). ``backend``:
 
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
 * ``"triton"``: the kernels of ``triton_short_conv.py`` (x bf16, fp16 or fp32), one launch
-  forward and one backward, saving only x, the weight and position_ids; ``torch.library`` custom
-  ops (``k3::short_conv`` and its backward) with fake shapes, so ``torch.compile`` keeps them in
-  its graphs; on CPU through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is
+  forward and one backward, saving only x, the weight and position_ids; eagerly an
+  autograd.Function that launches them directly, under ``torch.compile`` ``torch.library`` custom
+  ops (``k3::short_conv`` and its backward) with fake shapes, so that inductor keeps them in its
+  graphs (``backend.eager_or_compiled``); on CPU through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is
   imported);
 * ``"torch"``: ``reference.causal_conv_forward``, differentiated by torch autograd.
 """
@@ -17,13 +18,34 @@ returned in x's dtype (math and gradients in ``reference.py``). ``backend``:
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from ..backend import use_triton
+from ..backend import eager_or_compiled, use_triton
 from . import reference
 
 __all__ = ["causal_conv_with_resets"]
 
 
+class _CausalConvWithResets(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, position_ids):
+        from .triton_short_conv import short_conv_fwd
+        x, pos = x.contiguous(), position_ids.contiguous()
+        w = weight.float().reshape(weight.shape[0], weight.shape[-1]).contiguous()
+        ctx.save_for_backward(x, w, pos)
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        return short_conv_fwd(x, w, pos)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        from .triton_short_conv import short_conv_bwd
+        x, w, pos = ctx.saved_tensors
+        dx, dw = short_conv_bwd(x, w, pos, grad_out.contiguous())
+        return dx, dw.view(ctx.weight_shape).to(ctx.weight_dtype), None
+
+
+# Under torch.compile: the same kernels as custom ops (the weight's reshape and cast traced around them).
 @torch.library.custom_op("k3::short_conv", mutates_args=())
 def _short_conv(x: torch.Tensor, w: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """The Triton forward: x [B, T, C] contiguous, w fp32 [C, W] contiguous → out [B, T, C]."""
@@ -61,6 +83,14 @@ def _backward(ctx, grad_out):
 _short_conv.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _short_conv_compiled(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    w = weight.float().reshape(weight.shape[0], weight.shape[-1]).contiguous()
+    return _short_conv(x.contiguous(), w, position_ids.contiguous())
+
+
+_conv = eager_or_compiled(_CausalConvWithResets.apply, _short_conv_compiled)
+
+
 def causal_conv_with_resets(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor,
                             backend: str = "auto") -> torch.Tensor:
     """Depthwise causal conv, no bias, that never reads across a document start: x [B, T, C],
@@ -70,6 +100,5 @@ def causal_conv_with_resets(x: torch.Tensor, weight: torch.Tensor, position_ids:
         raise ValueError(f"short conv takes x [B, T, C], weight [C, 1, W], position_ids [B, T]; got "
                          f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(position_ids.shape)}")
     if use_triton(x, backend, "short-conv"):
-        w = weight.float().reshape(weight.shape[0], weight.shape[-1]).contiguous()
-        return _short_conv(x.contiguous(), w, position_ids.contiguous())
+        return _conv(x, weight, position_ids)
     return reference.causal_conv_forward(x, weight, position_ids)

@@ -11,9 +11,10 @@ directly (no cat). ``backend``:
 
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
 * ``"triton"``: the kernels of ``triton_situ.py`` (bf16, fp16, fp32), one launch forward
-  and one backward, saving only the inputs; ``torch.library`` custom ops (``k3::situ_glu``,
-  ``k3::situ_glu_packed`` and their backwards) with fake shapes, so ``torch.compile`` keeps them
-  in its graphs; on CPU through Triton's interpreter, which
+  and one backward, saving only the inputs; eagerly autograd.Functions that launch them
+  directly, under ``torch.compile`` ``torch.library`` custom ops (``k3::situ_glu``,
+  ``k3::situ_glu_packed`` and their backwards) with fake shapes, so that inductor keeps them in
+  its graphs (``backend.eager_or_compiled``); on CPU through Triton's interpreter, which
   needs ``TRITON_INTERPRET=1`` before triton is imported;
 * ``"torch"``: ``reference.situ_forward``, differentiated by torch autograd.
 """
@@ -23,8 +24,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from ..backend import use_triton
+from ..backend import eager_or_compiled, use_triton
 from . import reference
 
 __all__ = ["situ_glu", "situ_glu_packed"]
@@ -37,6 +39,45 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
+class _SiTUGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, beta, linear_beta):
+        from .triton_situ import situ_forward as fwd
+        ctx.save_for_backward(gate, up)
+        ctx.betas = (beta, linear_beta)
+        return fwd(_rows(gate), _rows(up), beta, linear_beta).view(gate.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        from .triton_situ import situ_backward as bwd
+        gate, up = ctx.saved_tensors
+        dgate, dup = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (gate, up))
+        bwd(_rows(gate), _rows(up), _rows(grad_out), _rows(dgate), _rows(dup), *ctx.betas)
+        return dgate, dup, None, None
+
+
+class _SiTUGLUPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, beta, linear_beta):
+        from .triton_situ import situ_forward as fwd
+        ctx.save_for_backward(gate_up)
+        ctx.betas = (beta, linear_beta)
+        gu, i = _rows(gate_up), gate_up.shape[-1] // 2
+        return fwd(gu[:, :i], gu[:, i:], beta, linear_beta).view(*gate_up.shape[:-1], i)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        from .triton_situ import situ_backward as bwd
+        (gate_up,) = ctx.saved_tensors
+        gu, i = _rows(gate_up), gate_up.shape[-1] // 2
+        d = torch.empty(gu.shape, dtype=gate_up.dtype, device=gate_up.device)
+        bwd(gu[:, :i], gu[:, i:], _rows(grad_out), d[:, :i], d[:, i:], *ctx.betas)
+        return d.view(gate_up.shape), None, None
+
+
+# Under torch.compile: the same kernels as custom ops.
 @torch.library.custom_op("k3::situ_glu", mutates_args=())
 def _situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """The Triton forward of SiTU(gate, up), gate and up [..., I] → [..., I] (contiguous)."""
@@ -117,6 +158,9 @@ def _situ_glu_packed_grad(ctx, grad_out):
 
 _situ_glu_packed.register_autograd(_situ_glu_packed_grad, setup_context=_situ_glu_packed_setup)
 
+_glu = eager_or_compiled(_SiTUGLU.apply, _situ_glu)
+_glu_packed = eager_or_compiled(_SiTUGLUPacked.apply, _situ_glu_packed)
+
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
              backend: str = "auto") -> torch.Tensor:
@@ -125,7 +169,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must have one shape and dtype")
     if use_triton(gate, backend, "SiTU"):
-        return _situ_glu(gate, up, float(beta), float(linear_beta))
+        return _glu(gate, up, float(beta), float(linear_beta))
     return reference.situ_forward(gate, up, beta, linear_beta)
 
 
@@ -135,6 +179,6 @@ def situ_glu_packed(gate_up: torch.Tensor, beta: float = 4.0, linear_beta: float
     if gate_up.ndim == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up needs an even last dim, got shape {tuple(gate_up.shape)}")
     if use_triton(gate_up, backend, "SiTU"):
-        return _situ_glu_packed(gate_up, float(beta), float(linear_beta))
+        return _glu_packed(gate_up, float(beta), float(linear_beta))
     i = gate_up.shape[-1] // 2
     return reference.situ_forward(gate_up[..., :i], gate_up[..., i:], beta, linear_beta)

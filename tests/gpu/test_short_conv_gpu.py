@@ -44,7 +44,7 @@ def test_kernel_matches_reference_bench_1b(dtype):
     go = torch.randn(B, T, C, generator=g).to(dtype).cuda()
     xl, wl = x.clone().requires_grad_(), weight.clone().requires_grad_()
     out = causal_conv_with_resets(xl, wl, pos)
-    assert "k3_short_conv" in type(out.grad_fn).__name__  # auto -> Triton on CUDA
+    assert type(out.grad_fn).__name__.startswith("_CausalConvWithResets")  # auto -> Triton on CUDA
     out.backward(go)
 
     x64, w64, g64 = x.double(), weight.double(), go.double()

@@ -133,7 +133,7 @@ def test_triton_kernels(S, shape):
     sources, w, gain, go = random_inputs(S, shape, seed=10 + S)
     kernel = functools.partial(attn_res_aggregate, backend="triton")
     out, grads = _fwd_bwd(kernel, _leaves(sources, dtype=torch.float32), w.float(), gain.float(), go)
-    assert "k3_attn_res" in type(out.grad_fn).__name__
+    assert type(out.grad_fn).__name__.startswith("_AttnResAggregate")
     assert out.shape == shape
     _check_against_reference(sources, w, gain, go, out, grads)
 

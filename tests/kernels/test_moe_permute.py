@@ -256,7 +256,7 @@ def test_gpu_bench_dims():
     scales = run("torch", lambda t: t.float().abs())
     auto = run("auto")
     torch_bf16 = run("torch")
-    assert "k3_moe_combine_rows" in type(auto[2].grad_fn).__name__
+    assert type(auto[2].grad_fn).__name__.startswith("_CombineRows")
     assert torch.equal(auto[0], torch_bf16[0])
     for outs, what in ((auto, "triton"), (torch_bf16, "torch")):
         _assert_matches(outs, [r.double() for r in fp32], [s.double() for s in scales],

@@ -130,7 +130,7 @@ def test_triton_kernels(B, T, C, W, dtype):
     weight = weight.float().double()
     xl, wl = x.to(dtype).to(DEV).requires_grad_(), weight.float().to(DEV).requires_grad_()
     out = causal_conv_with_resets(xl, wl, pos.to(DEV), backend="triton")
-    assert "k3_short_conv" in type(out.grad_fn).__name__
+    assert type(out.grad_fn).__name__.startswith("_CausalConvWithResets")
     out.backward(go.to(dtype).to(DEV))
     assert out.dtype == xl.grad.dtype == dtype and wl.grad.dtype == torch.float32
     ref_out = R.causal_conv_forward(x, weight, pos)

@@ -221,7 +221,7 @@ def test_gpu_auto_backend_is_triton():
     gate_up, go = _inputs(4096, 1536, seed=40, dtype=torch.bfloat16)
     gu = gate_up.cuda().requires_grad_()
     y = situ_glu_packed(gu)  # auto -> Triton on CUDA
-    assert "k3_situ_glu_packed" in type(y.grad_fn).__name__
+    assert type(y.grad_fn).__name__.startswith("_SiTUGLUPacked")
     y.backward(go.cuda())
     I = 1536
     _check_against_reference(gu[:, :I].detach(), gu[:, I:].detach(), go.cuda(), y,
