@@ -71,12 +71,20 @@ class QuantileBalancer(nn.Module):
         self.register_buffer("counts", torch.zeros(num_experts, bins if estimator == "histogram" else 0,
                                                    dtype=torch.int64), persistent=False)
         self._r: list[torch.Tensor] = []
+        self._edges: tuple[torch.Tensor, torch.Tensor] | None = None  # the grid, computed once a step (eager)
         self.observed = False  # anything since the last update (written, never read, in the forward)
 
     def _grid(self, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lower edge, bin width) of the histogram for routing bias ``bias``, on its device."""
+        """(lower edge, bin width) of the histogram for routing bias ``bias``, on its device. Eagerly
+        computed at the step's first ``observe`` and kept until ``reset``; inside a compiled graph
+        computed each micro-batch (a tensor kept on the module would be state the graph guards on)."""
+        if not torch.compiler.is_compiling() and self._edges is not None:
+            return self._edges
         b_min, b_max = bias.min().float(), bias.max().float()
-        return b_min - 1.0, (b_max - b_min + 2.0) / self.bins
+        edges = (b_min - 1.0, (b_max - b_min + 2.0) / self.bins)
+        if not torch.compiler.is_compiling():
+            self._edges = edges
+        return edges
 
     @torch.compiler.disable
     def _keep(self, r: torch.Tensor) -> None:
@@ -121,5 +129,6 @@ class QuantileBalancer(nn.Module):
 
     def reset(self) -> None:
         self._r = []
+        self._edges = None
         self.counts.zero_()
         self.observed = False

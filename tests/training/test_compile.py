@@ -68,7 +68,8 @@ def test_compiled_layers_match_eager_share_graphs_and_never_break():
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])  # one per layer kind
     for a, b in zip(compiled.moe_layers(), eager.moe_layers()):  # statistics kept in place by the graphs
         torch.testing.assert_close(a.load.tokens, b.load.tokens, rtol=0, atol=0)
-        assert int(a.load.computed) == int(b.load.computed) == 2 * 2 * SEQ * CFG.num_experts_per_token
+        assert b.load.computed == 2 * 2 * SEQ * CFG.num_experts_per_token
+        assert a.load.computed == 0  # counted eagerly only (read under expert parallelism, which compile excludes)
         torch.testing.assert_close(a.balancer.counts, b.balancer.counts, rtol=0, atol=0)
 
 

@@ -73,7 +73,7 @@ def _assert_same_step(got: K3Model, ref: K3Model, got_losses, ref_losses) -> Non
         assert q.grad is not None and torch.equal(p.grad, q.grad), name
     for a, b in zip(got.moe_layers(), ref.moe_layers()):
         assert torch.equal(a.load.tokens, b.load.tokens) and torch.equal(a.load.worst, b.load.worst)
-        assert torch.equal(a.load.computed, b.load.computed)
+        assert a.load.computed == b.load.computed
         assert (a.balancer.counts.sum(1) == 2 * 64).all()  # each expert saw two micro-batches of 64 tokens
         assert torch.equal(a.balancer.counts, b.balancer.counts)
         assert len(a.router_inputs) == len(b.router_inputs) == 2
