@@ -348,6 +348,10 @@ def test_gpu_bit_exact_large(fmt, rule, dtype):
     _check_triton(random_input((7, 3, 96), dtype, seed=12), fmt, rule)
     _check_triton(edge_input(fmt).to(dtype), fmt, rule)
     _check_triton(edge_input(fmt)[4:].to(dtype), fmt, rule)
+    _check_triton(edge_input(fmt)[[4, 5, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 18]].to(dtype), fmt,
+                  rule)  # dequantize's fast path on edge rows
+    if rule == "rceil" and dtype == torch.float32:
+        test_triton_dequantize_any_bytes(fmt)
 
 
 @pytest.mark.gpu
