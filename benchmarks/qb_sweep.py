@@ -38,8 +38,9 @@ from k3train.model.quantile_balancing import exact_bias  # noqa: E402
 from k3train.parallel.state import destroy_parallel  # noqa: E402
 from k3train.training.loop import Trainer  # noqa: E402
 
+# Every step is a log step: the trainer pools the expert load (and its collectives) only on those.
 RUN = ["logging.wandb=false", "logging.console=false", "train.resume=none", "train.eval_every=0",
-       "train.save_every=0"]
+       "train.save_every=0", "train.log_every=1"]
 
 
 def _max_over_mean(counts: torch.Tensor) -> torch.Tensor:
@@ -100,19 +101,22 @@ def run_variant(overrides: list[str], steps: int, out_dir: str, oracle: bool = F
     cfg = load_config(overrides + RUN + [f"train.out_dir={out_dir}"])
     validate(cfg)  # one process: what python -m k3train.train checks at start-up
     trainer = Trainer(cfg)
-    recorders = [OracleRecorder(layer) for layer in trainer.model.moe_layers()] if oracle else []
-    rows = []
-    for _ in range(steps):
-        r = trainer.train_step()
-        trainer.step += 1
-        rows.append({k: r[k] for k in ("step", "loss", "step_time_s", "expert_load_max_over_mean",
-                                       "expert_load_per_layer", "qb_bias_range")})
-        if recorders:
-            fitted = [rec.pop() for rec in recorders]
-            rows[-1]["fitted_load_per_layer"] = [f["pooled"] for f in fitted]
-            rows[-1]["micro_batch_load_actual_fitted"] = [f["micro"] for f in fitted]
-    del trainer
-    destroy_parallel()  # each variant starts from fresh process groups
+    try:
+        recorders = [OracleRecorder(layer) for layer in trainer.model.moe_layers()] if oracle else []
+        rows = []
+        for _ in range(steps):
+            r = trainer.train_step()
+            trainer.step += 1
+            rows.append({k: r[k] for k in ("step", "loss", "step_time_s", "expert_load_max_over_mean",
+                                           "expert_load_per_layer", "qb_bias_range")})
+            if recorders:
+                fitted = [rec.pop() for rec in recorders]
+                rows[-1]["fitted_load_per_layer"] = [f["pooled"] for f in fitted]
+                rows[-1]["micro_batch_load_actual_fitted"] = [f["micro"] for f in fitted]
+    finally:
+        trainer.lock.release()
+        del trainer
+        destroy_parallel()  # each variant starts from fresh process groups, also after a failure
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -11,7 +11,9 @@ prints GPU busy time against wall time (a host-bound step has idle GPU), the ker
 kernels grouped by kind and the top kernels by GPU time. FLOPs come
 from ``k3train.training.flops`` (KDA, MLA and active-expert aware), so MFU here is the same
 figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s) and against
-the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). Writes JSON.
+the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). ``--recompute`` applies an
+activation recompute policy (``train.recompute``, k3train/training/recompute.py); compare the peak
+memory (``torch.cuda.max_memory_allocated`` over the timed steps) and step time across policies. Writes JSON.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from k3train.config.schema import ModelConfig, OptimConfig
+from k3train.config.schema import RECOMPUTE_POLICIES, ModelConfig, OptimConfig
 from k3train.model.k3 import K3Model
 from k3train.optim.builder import build_optimizer
 from k3train.parallel.grad_buffers import GradBuffers
 from k3train.precision.main_params import MainParams
 from k3train.training.flops import train_flops_per_token
+from k3train.training.recompute import apply_recompute
 
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
 DATASHEET_TFLOPS = 989.0
@@ -51,6 +54,8 @@ def main() -> None:
     ap.add_argument("--json", default="train_step.json")
     ap.add_argument("--params", choices=("bf16", "fp32"), default="bf16",
                     help="parameter storage (precision.params): bf16 with fp32 main weights, or fp32")
+    ap.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default="none",
+                    help="activation recompute policy (train.recompute)")
     ap.add_argument("--profile", action="store_true", help="also profile two steps (kernels by kind and time)")
     args = ap.parse_args()
 
@@ -60,6 +65,7 @@ def main() -> None:
     model = K3Model(cfg).to(device)
     main = MainParams(model, torch.bfloat16 if args.params == "bf16" else torch.float32)
     grads = GradBuffers(model, None)
+    apply_recompute(model, args.recompute)
     opt = build_optimizer(model, OptimConfig(lr=1e-4))
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -107,15 +113,16 @@ def main() -> None:
     tok = args.batch * args.seq
     tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
     row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": f"bf16 autocast, {args.params} params",
+           "recompute": args.recompute,
            "gpu": torch.cuda.get_device_name(), "step_ms": dt * 1e3, "tokens_per_s": tok / dt,
            "model_tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS,
            "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
            "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
-    print(f"{'model':>12} {'B×T':>10} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU(989)':>9} "
-          f"{'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    print(f"{args.model:>12} {args.batch}×{args.seq:<7} {row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} "
-          f"{tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
+    print(f"{'model':>12} {'B×T':>10} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} "
+          f"{'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
+    print(f"{args.model:>12} {args.batch}×{args.seq:<7} {args.recompute:>9} {row['step_ms']:>9.1f} "
+          f"{row['tokens_per_s']:>9.0f} {tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
     print(f"{args.params} params; phases (GPU time between events, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()))
     if args.profile:
         row["profile"] = profile(step)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -16,11 +17,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _entry(rank: int, world: int, store: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # Rendezvous through a file, not a port picked beforehand: a free port can be taken by another test's
+    # socket between the pick and the bind (EADDRINUSE, seen in CI).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -36,4 +38,5 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
 
 def run_ranks(world: int, fn, *args) -> None:
     """Spawn ``world`` gloo ranks running ``fn(rank, world, *args)``; a failure on any rank raises."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True)

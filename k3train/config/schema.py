@@ -104,7 +104,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # "adamw" or "muon"
+    name: str = "adamw"  # "adamw" or "muon"; the Hydra default is conf/optim/muon.yaml (conf/config.yaml)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -154,6 +154,9 @@ class PrecisionConfig:
     recipe: str = "bf16"
 
 
+RECOMPUTE_POLICIES = ("none", "attn_res", "kda", "full")  # train.recompute (k3train/training/recompute.py)
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200  # total optimizer steps of the run (the LR schedule spans these)
@@ -191,6 +194,9 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     # [first, last] steps (1-based, inclusive) to trace with torch.profiler into <out_dir>/profile; [] = off.
     profile_steps: list[int] = field(default_factory=list)
+    # Activation recompute (docs/operating.md): "none", "attn_res" (the AttnRes sites), "kda" (those and the
+    # KDA mixers) or "full" (whole decoder layers); each trades a second forward of those parts for memory.
+    recompute: str = "none"
 
 
 @dataclass

@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import typing
 
-from k3train.config.schema import PRECISION_RECIPES, K3Config, ModelConfig, PrecisionConfig
+from k3train.config.schema import PRECISION_RECIPES, RECOMPUTE_POLICIES, K3Config, ModelConfig, PrecisionConfig
 from k3train.parallel.pipeline.layout import layout_error
 
 
@@ -166,6 +166,8 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
           f"train.loss_spike_action={t.loss_spike_action!r}: use skip or stop")
     _need(t.collective_timeout_s > 0, f"train.collective_timeout_s={t.collective_timeout_s} must be positive "
                                       f"(seconds a collective may wait, e.g. 600)")
+    _need(t.recompute in RECOMPUTE_POLICIES,
+          f"train.recompute={t.recompute!r}: use one of {', '.join(RECOMPUTE_POLICIES)}")
     ps = list(t.profile_steps)
     _need(not ps or (len(ps) == 2 and 1 <= ps[0] <= ps[1] <= t.steps),
           f"train.profile_steps={ps} must be [] (off) or [first, last] with 1 <= first <= last <= train.steps="

@@ -23,6 +23,15 @@ KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 _DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
 
 
+def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A CPU micro-batch on ``device``. To a GPU through pinned host memory: a copy from pageable memory
+    waits for every kernel already queued on the stream (the host stalls, as on a read-back), a copy
+    from pinned memory is queued behind them and the host goes on."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
 class BatchIterator:
     """Yields ``{"tokens", "labels", "loss_mask", "position_ids"}``, each a CPU tensor [b, s]
     (int64, int64, float32, int64). ``position_ids`` restart at 0 at every document start."""

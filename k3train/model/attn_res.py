@@ -8,6 +8,10 @@ v_i ∈ R^d (the block bank plus the running partial sum) with a softmax over so
 w ([1, d], the pseudo-query) starts at 0 so the initial mix is uniform; γ ([d]) is a
 key-norm gain starting at 1. No 1/√d scaling; the weighted sum is over the raw v_i; fp32.
 The op is ``kernels.attn_res.attn_res_aggregate`` (reference, Triton forward/backward).
+
+Every site reads its mix through an RMSNorm (x_a = RMSNorm_in(Agg), x_m = RMSNorm_post(Agg),
+h = RMSNorm_final(Agg_out)); the aggregator applies the norm it is given, so that one call is the
+whole site, the unit that activation recompute (``train.recompute=attn_res``) replays.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from kernels.attn_res import attn_res_aggregate
 
 
 class AttnResAggregator(nn.Module):
-    """One aggregation site: ``proj`` is the pseudo-query w [1, d], ``norm`` the gain γ [d]."""
+    """One aggregation site: ``proj`` is the pseudo-query w [1, d], ``norm`` the key-norm gain γ [d]."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.proj = set_role(nn.Parameter(torch.zeros(1, dim)), ParamRole(Kind.PSEUDO_QUERY))
         self.norm = set_role(nn.Parameter(torch.ones(dim)), ParamRole(Kind.NORM))
 
-    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return attn_res_aggregate(sources, self.proj, self.norm)
+    def forward(self, sources: list[torch.Tensor], out_norm: nn.Module) -> torch.Tensor:
+        """S sources [B, T, d] → out_norm(Agg(sources)) [B, T, d]."""
+        return out_norm(attn_res_aggregate(sources, self.proj, self.norm))

@@ -46,11 +46,11 @@ class K3Layer(nn.Module):
 
     def forward(self, bank: list[torch.Tensor], partial: torch.Tensor, docs: Documents
                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        x_a = self.input_layernorm(self.self_attention_res(bank + [partial]))
+        x_a = self.self_attention_res(bank + [partial], self.input_layernorm)
         if self.writes_block:
             bank = bank + [partial]
             partial = self.self_attn(x_a, docs).float()
         else:
             partial = partial + self.self_attn(x_a, docs).float()
-        x_m = self.post_attention_layernorm(self.mlp_res(bank + [partial]))
+        x_m = self.mlp_res(bank + [partial], self.post_attention_layernorm)
         return bank, partial + self.mlp(x_m).float()

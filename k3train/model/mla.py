@@ -31,6 +31,7 @@ from torch import nn
 from k3train.config.schema import ModelConfig
 from k3train.model.documents import Documents
 from k3train.model.norm import RMSNorm
+from k3train.model.replay import replaying
 from k3train.parallel.tensor_parallel import TPSpec
 
 _MAX_LOGIT_BLOCK = 256  # query rows per block when tracking the max logit
@@ -79,7 +80,7 @@ class GatedMLA(nn.Module):
         q, k, val = (t.transpose(1, 2) for t in (q, k, val))  # [B, H, T, D]
         causal_only = docs.one_per_row and docs.shard is None
         mask = None if causal_only else self._allowed(docs, 0, T).unsqueeze(1)
-        if self.track_max_logit:
+        if self.track_max_logit and not replaying():
             self._update_max_logit(q, k, docs)
         o = F.scaled_dot_product_attention(q, k, val, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         o = o.float().transpose(1, 2).reshape(B, T, H * v)

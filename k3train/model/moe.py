@@ -24,6 +24,7 @@ from k3train.model.expert_load import ExpertLoad
 from k3train.model.mlp import SiTUMLP, situ_glu
 from k3train.model.norm import RMSNorm
 from k3train.model.quantile_balancing import QuantileBalancer
+from k3train.model.replay import replaying
 from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
@@ -154,13 +155,14 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if self.training and self.qb_rescore_stride:
+        observe = self.training and not replaying()  # once per micro-batch, not again in a recompute
+        if observe and self.qb_rescore_stride:
             self.router_inputs.append(x[:, ::self.qb_rescore_stride].reshape(-1, shape[-1]).detach())
         x = x.reshape(-1, shape[-1])
         routing = self.gate(x)
         z = self.tp.copy_to_tp(self.routed_expert_down_proj(x))
         grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts)
-        if self.training:
+        if observe:
             self.load.add(handle.tokens_per_expert)
             self.load.computed += grouped.shape[0]
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)

@@ -22,14 +22,17 @@ one shape from different parameters share a Newton–Schulz call):
    over ``expert_dp_group`` (the ranks holding the same experts) instead;
 5. ``p <- p (1 - lr wd) - lr * 0.2 sqrt(max(m, n)) * NS(u_block)``, with (m, n) the
    *block* shape (docs/muon_notes.md explains why): one pass per parameter, which also sums
-   the update's squares for ``last_step_info["update_rms"]``.
+   the update's squares for ``last_step_info["update_rms"]`` (this rank's) and
+   ``["update_sumsq"]`` (this rank's share of the whole model's).
 
 The caller has already averaged gradients over DP. Every rank keeps the full momentum
 of its (TP-local) parameters, so the optimizer state is that of the 1-rank optimizer.
 
 A step whose gradients contain inf/NaN on any rank is skipped on all ranks: nothing
 (momentum, AdamW moments, step counters, weights) is touched. ``last_step_skipped`` and
-``num_skipped_steps`` report it, and a ``RuntimeWarning`` names the first bad parameter.
+``num_skipped_steps`` report it, and a ``RuntimeWarning`` names the first bad parameter. The check
+reads every gradient, waits on the host and all-reduces over TP and DP; a caller that has already
+checked the global gradient norm (the trainer's step guard) sets ``check_finite = False``.
 
 This module imports only torch and k3train's light modules (no megatron-core), so the
 GPU benchmark can use it on a machine without megatron.
@@ -181,6 +184,7 @@ class K3Muon(torch.optim.Optimizer):
         self.ns_fn = ns_fn or newton_schulz
         self.stack_max_blocks = stack_max_blocks
         self.elementwise_backend = elementwise_backend
+        self.check_finite = True  # skip steps with non-finite gradients (module docstring)
         self.last_step_skipped = False
         self.num_skipped_steps = 0
         self.last_step_info: dict[str, Any] = {}
@@ -254,7 +258,7 @@ class K3Muon(torch.optim.Optimizer):
                     if p.grad.is_sparse:
                         raise RuntimeError("K3Muon does not support sparse gradients")
                     grads.append(p.grad)
-        if not self._grads_finite(grads):
+        if self.check_finite and not self._grads_finite(grads):
             self.last_step_skipped = True
             self.num_skipped_steps += 1
             warnings.warn(
@@ -340,9 +344,13 @@ class K3Muon(torch.optim.Optimizer):
             self._fill_stacks(items, part)
             self._orthogonalize(items, part, group)
             buckets += part
-        sumsq = torch.zeros((), dtype=torch.float32, device=items[0].param.device)
+        sums = [torch.zeros((), dtype=torch.float32, device=items[0].param.device) for _ in range(3)]
+        numel = [0, 0, 0]
         for it in items:
-            self._apply(it, sumsq)
+            share = self._share(it)
+            self._apply(it, sums[share])
+            numel[share] += it.param.numel()
+        sumsq = torch.stack(sums)
         self.last_step_info = {
             "buckets": [(b.shape, b.num_blocks) for b in buckets],
             "muon_params": len(items),
@@ -351,8 +359,21 @@ class K3Muon(torch.optim.Optimizer):
             # RMS of the applied Muon updates before the learning rate, over this rank's Muon parameters:
             # sqrt(sum_p ||0.2 sqrt(max(m, n)) NS(u_p)||^2 / sum_p numel(p)), about 0.2 by construction
             # (the AdamW-matched scale). A 0-d tensor on the parameters' device (no host sync).
-            "update_rms": (sumsq / sum(it.param.numel() for it in items)).sqrt(),
+            "update_rms": (sumsq.sum() / sum(numel)).sqrt(),
+            # The same sums, [dense, expert], over this rank's share of the model: a parameter that every TP
+            # rank holds whole counts on TP rank 0 only, so that adding them over the ranks of one model copy
+            # counts every element once (k3train/training/optimizer_metrics.py).
+            "update_sumsq": sumsq[:2],
+            "update_numel": numel[:2],
         }
+
+    def _share(self, it: _Item) -> int:
+        """Which of the update sums an item adds to: 0 dense, 1 expert stacks, 2 a parameter that every TP
+        rank holds whole, on TP ranks other than 0."""
+        role = get_role(it.param)
+        if role.tp_partition_dim is None and _group_rank(self.tp_group) > 0:
+            return 2
+        return 1 if role.ep_partition_dim is not None else 0
 
     def _tp_gather(self, items: list[_Item]) -> None:
         tp = _group_size(self.tp_group)

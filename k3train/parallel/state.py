@@ -29,6 +29,8 @@ class ParallelGroups:
     that share out the experts (a token's copies go to them by all-to-all), and ``expert_dp`` the
     ranks that hold the same experts (``dp_cp_size = ep_size · expert_dp_size``). ``pp`` holds the
     pipeline stages of one model replica (``k3train.parallel.pipeline``): they share no parameters.
+    ``tp_ep_pp`` holds the ranks of one whole copy of the model: every TP shard, every expert and every
+    stage, the dense weights replicated over its EP ranks (Megatron's expert-tensor-model-pipeline group).
     """
 
     tp: dist.ProcessGroup | None = None
@@ -54,6 +56,8 @@ class ParallelGroups:
     pp: dist.ProcessGroup | None = None
     pp_size: int = 1
     pp_rank: int = 0
+    tp_ep_pp: dist.ProcessGroup | None = None
+    tp_ep_pp_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -124,6 +128,8 @@ def init_parallel(cfg: ParallelConfig, device: torch.device) -> ParallelGroups:
         pp=ps.get_pipeline_model_parallel_group(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
+        tp_ep_pp=ps.get_expert_tensor_model_pipeline_parallel_group(),
+        tp_ep_pp_size=dist.get_world_size(ps.get_expert_tensor_model_pipeline_parallel_group()),
     )
 
 

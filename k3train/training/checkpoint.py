@@ -26,6 +26,7 @@ import dataclasses
 import os
 import random
 import shutil
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -235,6 +236,25 @@ def _publish(tmp: Path, final: Path, keep_last: int, is_main: bool) -> None:
         if keep_last:
             prune_checkpoints(ckpt_root, keep_last)
     dist.barrier()
+
+
+def remove_incomplete_saves(run_dir: Path) -> list[str]:
+    """Delete what saves that never finished left in ``<run_dir>/checkpoints`` (a ``.tmp_step_*``
+    folder of partial shards, a half-written ``latest`` pointer), with one warning line each.
+    Call it while holding the run directory's lock: no other trainer can be writing there."""
+    removed = []
+    ckpt_root = Path(run_dir) / "checkpoints"
+    for tmp in sorted(ckpt_root.glob(".tmp_step_*")) + sorted(ckpt_root.glob(f".{LATEST}.tmp")):
+        files = [f for f in tmp.rglob("*") if f.is_file()] if tmp.is_dir() else [tmp]
+        size = sum(f.stat().st_size for f in files)
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink()
+        print(f"k3train: warning: removed {tmp} ({size / 2**20:.1f} MiB), left by a save that did not finish",
+              file=sys.stderr, flush=True)
+        removed.append(tmp.name)
+    return removed
 
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from k3train.config.schema import K3Config
 from k3train.config.validate import precision_dtypes
+from k3train.data.batches import batch_to_device
 from k3train.model.k3 import K3Model
 from k3train.model.mla import GatedMLA
 from k3train.optim.builder import build_optimizer, build_scheduler
@@ -42,16 +44,18 @@ from k3train.parallel.pipeline.layout import build_chunks
 from k3train.parallel.pipeline.stage import OnAnotherStage, keep_stage
 from k3train.parallel.state import ParallelGroups, init_parallel, pick_device
 from k3train.precision.main_params import MainParams
-from k3train.training.checkpoint import load_checkpoint, save_checkpoint
+from k3train.training.checkpoint import load_checkpoint, remove_incomplete_saves, save_checkpoint
 from k3train.training.checkpoint_writer import CheckpointWriter
 from k3train.training.collective_timeout import set_collective_timeout
 from k3train.training.profiling import PhaseTimer, StepProfiler
+from k3train.training.recompute import apply_recompute
 from k3train.training.flops import peak_flops, train_flops_per_token
 from k3train.training.guards import StepGuard, TrainingStopped
 from k3train.training.integrity import resume_checkpoint
 from k3train.training.resume_report import drop_metrics_after, report_config_changes
 from k3train.training.run_dir import RunDirError, RunDirLock, check_no_overwrite
 from k3train.training.metrics import MetricsLogger
+from k3train.training.optimizer_metrics import optimizer_metrics
 from k3train.training.micro_batches import MicroBatchLoop
 
 
@@ -79,7 +83,8 @@ class Trainer:
         self.groups: ParallelGroups = init_parallel(cfg.parallel, self.device)
         g = self.groups
         if g.world_size > 1:
-            set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp, g.cp, g.dp_cp, g.pp], t.collective_timeout_s)
+            set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp, g.cp, g.dp_cp, g.pp, g.tp_ep_pp],
+                                   t.collective_timeout_s)
         self.writer = CheckpointWriter(asynchronous=t.async_save)
         self.profiler = StepProfiler(Path(t.out_dir), list(t.profile_steps), self.device, self.groups.rank)
         self.run_dir = Path(t.out_dir)
@@ -106,12 +111,15 @@ class Trainer:
             for m in self.model.modules():
                 if isinstance(m, GatedMLA):
                     m.track_max_logit = True
+        apply_recompute(self.model, t.recompute)  # after the stage split and QAT (k3train/training/recompute.py)
         self.main = MainParams(self.model, torch.bfloat16 if params_dtype == "bf16" else torch.float32, rounding)
         self.grads = GradBuffers(self.model, self.groups)
         self.moe_layer_ids = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]  # all stages'
         self.local_moe_rows = [r for r, i in enumerate(self.moe_layer_ids)
                                if not isinstance(self.model.layers[i], OnAnotherStage)]
         self.optimizer = build_optimizer(self.model, cfg.optim, self.groups)
+        if hasattr(self.optimizer, "check_finite"):  # the step guard checks the global norm before step()
+            self.optimizer.check_finite = False
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
 
         self.n_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
@@ -126,13 +134,15 @@ class Trainer:
 
     # --- setup -----------------------------------------------------------------------------
     def _claim_run_dir(self) -> None:
-        """Rank 0 locks train.out_dir and refuses to overwrite a run; every rank raises together."""
+        """Rank 0 locks train.out_dir, refuses to overwrite a run and clears what unfinished saves left;
+        every rank raises together."""
         error = None
         if self.groups.is_main:
             try:
                 check_no_overwrite(self.run_dir, self.cfg.train.resume)
                 self.lock.acquire()
                 atexit.register(self.lock.release)
+                remove_incomplete_saves(self.run_dir)
             except RunDirError as err:
                 error = err
         if self._any_rank(error is not None):
@@ -216,18 +226,21 @@ class Trainer:
 
     # --- one step --------------------------------------------------------------------------
     def _forward(self, batch: dict) -> torch.Tensor:
-        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        b = batch_to_device(batch, self.device)
         with _autocast(self.device, self.compute_dtype):
             return self.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
 
     def train_step(self) -> dict:
         self.model.train()
+        step = self.step + 1
+        logs = self._is_log_step(step)
+        timer = PhaseTimer(self.device, synchronize=logs or self.profiler.active(step),
+                           label=self.profiler.active(step))
+        if timer.sync:  # a timed step starts after what the previous step left queued
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         self.grads.zero()
         moe = self.model.moe_layers()
-        step = self.step + 1
-        timer = PhaseTimer(self.device, synchronize=self._is_log_step(step) or self.profiler.active(step),
-                           label=self.profiler.active(step))
         with timer("data"):
             batches = [next(self.train_iter) for _ in range(self.n_micro)]
         with timer("fwd_bwd"):  # Quantile Balancing within the step (model.qb_updates_per_step) included
@@ -239,8 +252,10 @@ class Trainer:
                 dist.all_reduce(loss_sum, group=self.groups.dp_cp)
                 loss_sum /= self.groups.dp_cp_size
         self.grads.clip(self.cfg.optim.grad_clip, grad_norm)
-        loss_value = float(loss_sum / self.n_micro)
-        skip_reason = self.guard.check(loss_value, float(grad_norm))
+        # The step's one host read (the guard decides before the update); nothing below reads the device
+        # back on a step that does not log, so the host queues the next step while the optimizer runs.
+        loss_value, grad_norm = torch.stack([loss_sum / self.n_micro, grad_norm.to(loss_sum.dtype)]).tolist()
+        skip_reason = self.guard.check(loss_value, grad_norm)
         skipped = skip_reason is not None
         qk_clip = None
         with timer("optimizer"):
@@ -255,40 +270,43 @@ class Trainer:
                 self.main.sync_model()  # before re-scoring the router inputs with the updated router
             for layer in moe:
                 layer.update_bias(self.groups.dp_cp)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if timer.sync:  # log steps: the step's own time. Other steps leave the optimizer's kernels queued
+            torch.cuda.synchronize(self.device)  # while the host starts the next step (the guard's read waits)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         achieved = tokens * self.flops_per_token / elapsed / max(1, self.groups.world_size)
         return {
             "kind": "train", "step": step, "loss": loss_value,
-            "grad_norm": float(grad_norm), "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
-            "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe),
-            **self._optimizer_metrics(skipped, qk_clip), **timer.record(),
+            "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe, logs or skipped),
+            **(self._optimizer_metrics(skipped, qk_clip) if logs else {}), **timer.record(),
         }
 
     def _is_log_step(self, step: int) -> bool:
         return step % self.cfg.train.log_every == 0 or step in (1, self.cfg.train.steps)
 
-    def _optimizer_metrics(self, skipped: bool, qk_clip: dict | None) -> dict:
+    def _optimizer_metrics(self, skipped: bool, qk_clip: Mapping | None) -> dict:
         """Muon's update RMS (before the LR; ~0.2 by design) and QK-clip's heads clipped this step and the
-        largest attention logit before the clip (over DP, all MLA layers)."""
-        out = {}
-        info = getattr(self.optimizer, "last_step_info", None)
-        if info and "update_rms" in info and not skipped and not self.optimizer.last_step_skipped:
-            out["muon_update_rms"] = float(info["update_rms"])
-        if qk_clip is not None:
-            out["qk_clip_heads"] = qk_clip["num_clipped_heads"]
-            out["qk_max_logit"] = qk_clip["max_logit"] if abs(qk_clip["max_logit"]) != float("inf") else None
-        return out
+        largest attention logit before the clip, over the whole model (all ranks' parts: ``optimizer_metrics``)."""
+        if skipped:
+            return {}
+        muon = None
+        if self.cfg.optim.name == "muon":
+            muon = {} if self.optimizer.last_step_skipped else self.optimizer.last_step_info
+        return optimizer_metrics(muon, qk_clip, self.groups, self.device)
 
-    def _expert_load(self, moe: list) -> dict:
+    def _expert_load(self, moe: list, report: bool) -> dict:
         """Per-layer expert load of the step, pooled over micro-batches and DP×CP ranks (one all-reduce
         each for the counts and the worst micro-batch), and each layer's QB bias range; under pipeline
-        parallelism gathered from all stages, so that rank 0 logs every layer."""
+        parallelism gathered from all stages, so that rank 0 logs every layer. ``report`` false (a step
+        that logs nothing): only reset the counters, with no collective and no host read."""
         if not self.moe_layer_ids:
+            return {}
+        if not report:  # counters start over each step; pooling and logging only on the steps that log
+            for layer in moe:
+                layer.load.reset()
             return {}
         E = self.cfg.model.num_experts
         tokens = torch.stack([layer.load.tokens for layer in moe]) if moe else torch.zeros(0, E, device=self.device)

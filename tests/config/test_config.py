@@ -90,6 +90,7 @@ def _cfg(**sections) -> K3Config:
     ({"precision": {"params": "bf16", "dtype": "fp32"}}, 1, "precision.params=bf16"),
     ({"precision": {"params": "bf16"}, "train": {"device": "cpu"}}, 1, "precision.params=bf16"),  # auto: fp32
     ({"precision": {"params": "fp32", "dtype": "bf16"}, "train": {"device": "cpu"}}, 1, "precision.params=fp32"),
+    ({"train": {"recompute": "selective"}}, 1, "train.recompute='selective': use one of none, attn_res, kda, full"),
 ])
 def test_validation_names_the_field(sections, world, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

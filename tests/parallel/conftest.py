@@ -1,11 +1,11 @@
-"""The one-rank reference run the multi-rank training tests compare against (k3_tiny, 6 steps,
-checkpoints at 3 and 6), trained once per test process."""
+"""The one-rank reference runs the multi-rank training tests compare against (k3_tiny, 6 steps,
+checkpoints at 3 and 6), each trained once per test process."""
 
 from __future__ import annotations
 
 import pytest
 
-from parallel_runs import STEPS
+from parallel_runs import MUON, STEPS
 from test_training_helpers import train
 
 
@@ -13,6 +13,13 @@ from test_training_helpers import train
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     train(out, *STEPS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def single_muon(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_muon")
+    train(out, *STEPS, *MUON)
     return out
 
 

@@ -7,7 +7,8 @@ on k3_tiny: PP2 (1F1B, layout [5, 4]) matches one rank to 8e-8 in loss and 2.3e-
 all 6 steps (with identical per-layer expert loads). Held, as for TP2 and CP2: steps 1–2 to 1e-5
 (loss and grad norm), all 6 losses to 1e-3.
 
-TP2×PP2 follows TP2's drift (its test states the bounds).
+TP2×PP2 follows TP2's drift (its test states the bounds). It and PP2×DP2×EP2 train with Muon and
+QK-clip, and their logged optimizer figures equal one rank's (``assert_same_optimizer_metrics``).
 
 Checkpoints reshard over the pipeline: the PP2×V2 run's step-3 checkpoint resumes on one rank,
 and the one-rank run's step-3 checkpoint resumes at PP2; the first resumed step equals the
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from parallel_runs import STEPS
+from parallel_runs import MUON, STEPS, assert_same_optimizer_metrics
 from test_training_helpers import torchrun, train
 
 V2 = ("parallel.pipeline=2", "parallel.virtual_stages=2", "parallel.pipeline_layout=[3,2,2,2]")
@@ -68,24 +69,31 @@ def test_one_rank_checkpoint_resumes_at_pp2(single, tmp_path):
     assert_tracks(metrics(tmp_path), metrics(single), steps=(4, 5, 6), exact=(4,))
 
 
-def test_pp2_dp2_ep2_matches_one_rank(single, tmp_path):
-    """4 ranks: two stages, each a DP pair that shares out the experts (EP2 inside each stage)."""
-    torchrun(tmp_path, *STEPS, "parallel.pipeline=2", "parallel.pipeline_layout=[5,4]", "parallel.expert=2",
+def test_pp2_dp2_ep2_matches_one_rank(single_muon, tmp_path):
+    """4 ranks: two stages, each a DP pair that shares out the experts (EP2 inside each stage), with Muon
+    and QK-clip: rank 0 logs the update RMS and clipped heads of both stages and both EP ranks' experts."""
+    torchrun(tmp_path, *STEPS, *MUON, "parallel.pipeline=2", "parallel.pipeline_layout=[5,4]", "parallel.expert=2",
              nproc=4)
-    assert_tracks(metrics(tmp_path), metrics(single))
+    got, ref = metrics(tmp_path), metrics(single_muon)
+    assert_tracks(got, ref)
+    assert_same_optimizer_metrics(got, ref, range(1, 7))
 
 
-def test_tp2_pp2_matches_one_rank(single, tmp_path):
-    """4 ranks: two stages, each layer split over a TP pair. TP's all-reduce order is amplified over
-    the run as in test_parallel_training.py (measured: loss 0 / 2.3e-7, grad norm 0 / 8.7e-6 at steps
-    1 / 2; loss 1e-4, grad norm 2.6e-2 at step 6), so: steps 1–2 to 1e-5 in loss and 1e-4 in grad
-    norm, all losses to 1e-3 (the TP2×EP2 test's bounds)."""
-    torchrun(tmp_path, *STEPS, "parallel=tp2", "parallel.pipeline=2", "parallel.pipeline_layout=[5,4]", nproc=4)
-    got, ref = metrics(tmp_path), metrics(single)
+def test_tp2_pp2_matches_one_rank(single_muon, tmp_path):
+    """4 ranks: two stages, each layer split over a TP pair, with Muon and QK-clip (rank 0 logs the
+    update RMS and clipped heads of both stages and both TP ranks' heads). TP's all-reduce order can be
+    amplified over a run as in test_parallel_training.py (measured with AdamW: loss 1e-4, grad norm
+    2.6e-2 at step 6; with Muon: losses within 1e-7 over all 6 steps, grad norms 1.4e-5, optimizer
+    figures 3e-6), so: steps 1–2 to 1e-5 in loss and 1e-4 in grad norm, all losses to 1e-3 (the
+    TP2×EP2 test's bounds)."""
+    torchrun(tmp_path, *STEPS, *MUON, "parallel=tp2", "parallel.pipeline=2", "parallel.pipeline_layout=[5,4]",
+             nproc=4)
+    got, ref = metrics(tmp_path), metrics(single_muon)
     assert_tracks(got, ref, exact=())
     for step in (1, 2):
         assert abs(got[step]["loss"] - ref[step]["loss"]) <= 1e-5 * ref[step]["loss"], step
         assert abs(got[step]["grad_norm"] - ref[step]["grad_norm"]) <= 1e-4 * ref[step]["grad_norm"], step
+    assert_same_optimizer_metrics(got, ref, range(1, 7))
 
 
 def test_validator_names_bad_pipeline_configs():

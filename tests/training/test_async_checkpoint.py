@@ -74,6 +74,9 @@ def _body(rank: int, world: int, out: str) -> None:
     assert (ckpts / "latest").read_text() == "step_00000002"
     assert (ckpts / ".tmp_step_00000004").is_dir() and not (ckpts / "step_00000004").exists()
     trainer.lock.release()
+    resumed = Trainer(cfg)  # the next run clears the unfinished save and resumes from step 2
+    assert resumed.step == 2 and not (ckpts / ".tmp_step_00000004").exists()
+    resumed.lock.release()
 
 
 def test_async_save_is_the_state_at_the_save(tmp_path):

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from k3train.training.checkpoint import remove_incomplete_saves
 from k3train.training.run_dir import LOCK, RunDirError, RunDirLock, check_no_overwrite
 from test_training_helpers import FAST, REPO, losses, train
 
@@ -65,6 +66,19 @@ def test_resume_none_does_not_overwrite_checkpoints(tmp_path):
         check_no_overwrite(tmp_path, "none")
     for needle in ("train.resume=none", "step_00000004", "train.resume=auto", "train.out_dir"):
         assert needle in str(err.value)
+
+
+def test_unfinished_saves_are_removed_with_a_warning(tmp_path, capsys):
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "step_00000004").mkdir(parents=True)
+    (ckpts / ".tmp_step_00000008" / "sub").mkdir(parents=True)
+    (ckpts / ".tmp_step_00000008" / "sub" / "shard.distcp").write_bytes(b"x" * 3 * 2**20)
+    (ckpts / ".latest.tmp").write_text("step_00000008")
+    assert remove_incomplete_saves(tmp_path) == [".tmp_step_00000008", ".latest.tmp"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004"]
+    err = capsys.readouterr().err
+    assert ".tmp_step_00000008 (3.0 MiB)" in err and "did not finish" in err
+    assert remove_incomplete_saves(tmp_path) == [] and remove_incomplete_saves(tmp_path / "new") == []
 
 
 def _start(run, *overrides):

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from k3train.data.batches import batch_to_device
 from k3train.model.k3 import K3Model
 from k3train.parallel.pipeline.bank import BankPlan, RowCache
 from k3train.parallel.pipeline.layout import Chunk
@@ -82,7 +83,7 @@ class PipelineSchedule:
 
     def _run(self, batches: list[dict], actions_of, grad: bool) -> list[torch.Tensor]:
         m = len(batches)
-        self.inputs = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in batches]
+        self.inputs = [batch_to_device(b, self.device) for b in batches]
         self.docs = [self.model.documents(b["tokens"], b["position_ids"]) for b in self.inputs]
         self.caches = [RowCache() for _ in range(m)]
         self.saved: dict[tuple[int, int], tuple] = {}

@@ -1,0 +1,33 @@
+"""``batch_to_device`` on CUDA (run with ``pytest -m gpu``): the micro-batch arrives intact, and the call
+does not wait for the kernels already queued (a copy from pageable host memory would)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3train.data.batches import batch_to_device
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copy_is_exact_and_does_not_wait_for_queued_kernels():
+    dev = torch.device("cuda")
+    batch = {"tokens": torch.randint(0, 163840, (4, 4096)), "position_ids": torch.arange(4096).repeat(4, 1),
+             "loss_mask": torch.rand(4, 4096)}
+    a = torch.randn(8192, 8192, device=dev)
+    torch.cuda.synchronize()
+    for _ in range(20):  # ~tens of ms of queued work
+        a = a @ a / 8192**0.5
+    queued = torch.cuda.Event()
+    queued.record()
+    out = batch_to_device(batch, dev)
+    assert not queued.query(), "batch_to_device waited for the kernels queued before it"
+    torch.cuda.synchronize()
+    for k, v in batch.items():
+        assert out[k].device.type == "cuda" and out[k].dtype == v.dtype and torch.equal(out[k].cpu(), v), k
+
+
+def test_cpu_batches_stay_as_they_are():
+    batch = {"tokens": torch.arange(6).view(2, 3)}
+    out = batch_to_device(batch, torch.device("cpu"))
+    assert torch.equal(out["tokens"], batch["tokens"])
