@@ -4,7 +4,7 @@ device copy ceiling and torchao's MX emulation (``torchao.prototype.mx_formats``
     python benchmarks/mx.py                                   # default shapes, bf16 input
     python benchmarks/mx.py --shapes 8192x8192 --dtypes bf16,fp32 --formats e4m3,e2m1 \
         --rules floor,rceil --json mx.json
-    python benchmarks/mx.py --sweep                           # old vs new kernels, launch configs
+    python benchmarks/mx.py --sweep                           # launch configs, then the table
 
 Bytes (the operator's own I/O, a floor on traffic):
 * quantize: read N input elements, write N codes (1 byte FP8, 1/2 byte FP4) + N/32 scales;
@@ -122,17 +122,15 @@ def run_case(shape, dtype_name, fmt, rule, results, check_torchao=True):
     return row
 
 
-# launch configs (blocks of 32 per program, warps) the sweep tries for the current kernels; the
-# frozen pre-issue-15 kernels (mx_baseline_kernels.py) run at their tuned (128, 8) beside them
+# launch configs (blocks of 32 per program, warps) the sweep tries
 SWEEP_CONFIGS = [(128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]
 
 
 def sweep(shape, dtype_names, formats):
-    """Old vs new kernels and the new kernels' launch configs, quantize and dequantize, each beside
-    a copy of the same input measured in this process. Sets the best config for the table."""
-    import mx_baseline_kernels as old
+    """The kernels' launch configs, quantize and dequantize, each beside a copy of the same input
+    measured in this process. Sets the best config for the table."""
     from kernels.mx import get_format, mx_quantize
-    from kernels.mx import triton_mx as new
+    from kernels.mx import triton_mx
     out = []
     for dt in dtype_names:
         x = scaled_input(shape, DTYPES[dt])
@@ -145,50 +143,45 @@ def sweep(shape, dtype_names, formats):
             codes = data.view(torch.uint8)
             code_b = 0.5 if f.packed else 1.0
             nbytes = n * in_b + n * code_b + n / 32  # same for both ops
-            want = {"quantize": (codes, scale), "dequantize": None}
             for op in ("quantize", "dequantize"):
-                for variant, mod, cfgs in (("old", old, [(128, 8)]), ("new", new, SWEEP_CONFIGS)):
-                    saved = mod.GPU_CONFIG[op]
-                    for bb, warps in cfgs:
-                        mod.GPU_CONFIG[op] = (bb, warps)
-                        if op == "quantize":
-                            def fn(mod=mod):
-                                return mod.quantize(x, f, "rceil")
-                        else:
-                            def fn(mod=mod):
-                                return mod.dequantize(codes, scale, f, shape[-1], x.dtype)
-                        got = fn()
-                        if want[op] is None:
-                            want[op] = got
-                        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                   for a, b in zip(got if op == "quantize" else (got,),
-                                                   want[op] if op == "quantize" else (want[op],)))
-                        t = bench(fn)
-                        gbps = nbytes / t / 1e6
-                        out.append({"dtype": dt, "fmt": fmt, "op": op, "variant": variant,
-                                    "blocks": bb, "warps": warps, "ms": t, "GBps": gbps,
-                                    "copy_GBps": copy, "pct_copy": 100 * gbps / copy,
-                                    "bits_equal_first": same})
-                    mod.GPU_CONFIG[op] = saved
+                if op == "quantize":
+                    def fn():
+                        return triton_mx.quantize(x, f, "rceil")
+                else:
+                    def fn():
+                        return (triton_mx.dequantize(codes, scale, f, shape[-1], x.dtype),)
+                saved, first = triton_mx.GPU_CONFIG[op], None
+                for bb, warps in SWEEP_CONFIGS:
+                    triton_mx.GPU_CONFIG[op] = (bb, warps)
+                    got = fn()
+                    first = first or got
+                    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                               for a, b in zip(got, first))
+                    t = bench(fn)
+                    gbps = nbytes / t / 1e6
+                    out.append({"dtype": dt, "fmt": fmt, "op": op, "blocks": bb, "warps": warps,
+                                "ms": t, "GBps": gbps, "copy_GBps": copy,
+                                "pct_copy": 100 * gbps / copy, "bits_equal_first": same})
+                triton_mx.GPU_CONFIG[op] = saved
         del x, y
         torch.cuda.empty_cache()
     print(f"\nsweep {'x'.join(map(str, shape))}, rceil (GB/s of operator I/O; copy measured "
-          f"beside it; 'same' = bits equal to the first variant's output)")
-    print(f"{'in':>4} {'fmt':>4} {'op':>10} {'variant':>7} {'blocks':>6} {'warps':>5} | "
+          f"beside it; 'same' = bits equal to the first config's output)")
+    print(f"{'in':>4} {'fmt':>4} {'op':>10} {'blocks':>6} {'warps':>5} | "
           f"{'us':>7} {'GB/s':>6} {'copy':>6} {'%copy':>6} same")
     for r in out:
-        print(f"{r['dtype']:>4} {r['fmt']:>4} {r['op']:>10} {r['variant']:>7} {r['blocks']:6d} "
+        print(f"{r['dtype']:>4} {r['fmt']:>4} {r['op']:>10} {r['blocks']:6d} "
               f"{r['warps']:5d} | {r['ms'] * 1e3:7.1f} {r['GBps']:6.0f} {r['copy_GBps']:6.0f} "
               f"{r['pct_copy']:6.1f} {r['bits_equal_first']}")
     # one config per op for the table: the best worst case (% of copy) over dtypes and formats
     for op in ("quantize", "dequantize"):
-        rows = [r for r in out if r["op"] == op and r["variant"] == "new"]
         score = {}
-        for r in rows:
-            c = (r["blocks"], r["warps"])
-            score[c] = min(score.get(c, 1e9), r["pct_copy"])
-        new.GPU_CONFIG[op] = max(score, key=score.get)
-    print(f"using {new.GPU_CONFIG} for the table")
+        for r in out:
+            if r["op"] == op:
+                c = (r["blocks"], r["warps"])
+                score[c] = min(score.get(c, 1e9), r["pct_copy"])
+        triton_mx.GPU_CONFIG[op] = max(score, key=score.get)
+    print(f"using {triton_mx.GPU_CONFIG} for the table")
     return out
 
 

@@ -328,9 +328,10 @@ def _max_mant(fmt: ElemFormat) -> int:
 # value stays finite, so the integer exponent add cannot carry out of the exponent field.
 LOW_K = -109
 
-# (blocks of 32 per program, warps) on GPU; benchmarks/mx.py --sweep tunes these. (128, 8) is
-# the H200 sweep of the previous kernels (2026-11-29); the pair kernels are not yet swept.
-GPU_CONFIG = {"quantize": (128, 8), "dequantize": (128, 8)}
+# (blocks of 32 per program, warps) on GPU; benchmarks/mx.py --sweep tunes these. From the H200
+# sweep of these kernels, 2026-11-30 (docs/results/mx_sweep_h200_2026-11-30.json): the best
+# worst case over bf16/fp32 x E4M3/E2M1 at 8192x8192.
+GPU_CONFIG = {"quantize": (128, 4), "dequantize": (256, 4)}
 
 
 def _launch_cfg(x: torch.Tensor, op: str):
