@@ -1,11 +1,25 @@
-"""End-to-end training-step throughput of a K3 proxy on one GPU: tokens/s, TFLOP/s and MFU.
+"""End-to-end training-step throughput of a K3 proxy: tokens/s, TFLOP/s and MFU, our KDA kernel against fla's.
 
     python benchmarks/train_step.py --model k3_bench_1b --batch 2 --seq 4096 --steps 10
+    python benchmarks/train_step.py --model k3_tiny --batch 1 --seq 256 --steps 2 --warmup 1   # CPU smoke run
 
-One step = forward + backward of one micro-batch under bf16 autocast + AdamW + Quantile Balancing
-(the trainer's per-step bias update). ``--params bf16`` (the trainer's default on GPU,
+One step = forward + backward of one micro-batch under bf16 autocast + the optimizer + Quantile
+Balancing (the trainer's per-step bias update). ``--optim`` picks the optimizer by its conf/optim/*.yaml
+(default: the trainer's, conf/config.yaml), built with ``k3train.optim.builder.build_optimizer`` as the
+trainer builds it; with Muon's ``qk_clip_tau`` the optimizer phase includes QK-clip, as in the trainer.
+The trainer's gradient norm, clipping, step guard and LR schedule are not part of the step.
+``--params bf16`` (the trainer's default on GPU,
 ``precision.params``) holds bf16 model weights with fp32 main weights and gradients, as the trainer
-does (``MainParams``, ``GradBuffers``); ``--params fp32`` keeps fp32 weights that autocast casts. Per-phase GPU times (forward, backward, optimizer, QB) come
+does (``MainParams``, ``GradBuffers``); ``--params fp32`` keeps fp32 weights that autocast casts.
+
+``--kda`` picks the KDA recurrence: ``ours`` (``kernels.kda``), ``fla`` (fla-core 0.6.0's ``chunk_kda``,
+safe gate, gate/beta/L2 norm in the kernel, called as in benchmarks/kda.py, swapped in through the
+mixer's ``kernel`` seam, ``k3train.model.kda.KimiDeltaAttention.kernel``) or ``both`` (the default where
+fla imports and CUDA is there): each variant is a fresh model from the same seed (the same weights), on
+the same batch, with a fresh optimizer of the same config, one after the other in this process; the
+summary line gives the time ratio ours/fla per step and per phase (< 1: ours is faster).
+
+Per-phase times (forward, backward, optimizer, QB) come
 from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
 prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
 kernels grouped by kind and the top kernels by GPU time. FLOPs come
@@ -13,13 +27,19 @@ from ``k3train.training.flops`` (KDA, MLA and active-expert aware), so MFU here 
 figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s) and against
 the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). ``--recompute`` applies an
 activation recompute policy (``train.recompute``, k3train/training/recompute.py); compare the peak
-memory (``torch.cuda.max_memory_allocated`` over the timed steps) and step time across policies. Writes JSON.
+memory (``torch.cuda.max_memory_allocated`` over the timed steps) and step time across policies.
+Writes JSON: ``{"rows": [one per variant, with "kda" and "optim"], "ours_over_fla": {...} or null}``.
+
+Without CUDA the step runs on CPU in fp32 (the trainer's ``precision: auto`` there; our kernels' torch
+references), with host-clock phase times and no MFU: a smoke run, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +47,7 @@ import torch
 
 from k3train.config.schema import RECOMPUTE_POLICIES, ModelConfig, OptimConfig
 from k3train.model.k3 import K3Model
+from k3train.model.kda import KimiDeltaAttention
 from k3train.optim.builder import build_optimizer
 from k3train.parallel.grad_buffers import GradBuffers
 from k3train.precision.main_params import MainParams
@@ -35,16 +56,92 @@ from k3train.training.recompute import apply_recompute
 
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
 DATASHEET_TFLOPS = 989.0
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PHASES = ("forward", "backward", "optimizer", "qb")
 
 
 def model_config(name: str) -> ModelConfig:
     import yaml
 
-    path = Path(__file__).resolve().parents[1] / "conf" / "model" / f"{name}.yaml"
-    return ModelConfig(**yaml.safe_load(path.read_text()))
+    return ModelConfig(**yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text()))
 
 
-def main() -> None:
+def optim_config(name: str) -> OptimConfig:
+    """conf/optim/<name>.yaml, as the trainer's Hydra config reads it."""
+    import yaml
+
+    return OptimConfig(**yaml.safe_load((CONF / "optim" / f"{name}.yaml").read_text()))
+
+
+def default_optim() -> str:
+    """The optimizer group conf/config.yaml's defaults list picks (the trainer's default)."""
+    import yaml
+
+    for entry in yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict) and "optim" in entry:
+            return entry["optim"]
+    raise ValueError("conf/config.yaml names no optim group in its defaults")
+
+
+def fla_kernel(chunk_kda=None):
+    """``kernels.kda.kda``'s signature over fla-core's ``chunk_kda`` (fla.ops.kda; the gate, beta sigmoid
+    and q/k L2 norm inside the kernel, safe gate), for ``KimiDeltaAttention.kernel``. Returns ``(o, None)``:
+    it covers the mixer's call only and raises on the arguments it does not pass (a scale, an initial
+    state, the final state, no L2 norm). ``chunk_kda``: a stand-in with fla's keywords (tests)."""
+    if chunk_kda is None:
+        from fla.ops.kda import chunk_kda
+
+    def kda_fla(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None, initial_state=None,
+                output_final_state=False, cu_seqlens=None, use_qk_l2norm=True):
+        given = {"scale": scale is not None, "initial_state": initial_state is not None,
+                 "output_final_state": output_final_state, "use_qk_l2norm=False": not use_qk_l2norm}
+        unsupported = [name for name, is_given in given.items() if is_given]
+        if unsupported:
+            raise ValueError(f"the fla chunk_kda adapter covers the KDA mixer's call only; it does not pass "
+                             f"{', '.join(unsupported)}")
+        o = chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                      lower_bound=lower_bound, cu_seqlens=cu_seqlens)[0]
+        return o, None
+
+    return kda_fla
+
+
+def fla_missing() -> str | None:
+    """Why fla's chunk_kda cannot run here, or None."""
+    try:
+        from fla.ops.kda import chunk_kda  # noqa: F401
+    except Exception as err:  # ImportError, or a Triton/driver error at import
+        return (f"fla-core does not import ({type(err).__name__}: {err}; "
+                f"pip install 'k3train[bench]' for fla-core==0.6.0)")
+    if not torch.cuda.is_available():
+        return "no CUDA device (fla's chunk_kda is GPU-only Triton)"
+    return None
+
+
+def kda_variants(choice: str | None) -> list[str]:
+    if choice == "ours":
+        return ["ours"]
+    why = fla_missing()
+    if choice is None:
+        if why is None:
+            return ["ours", "fla"]
+        print(f"train_step: --kda ours only: {why}")
+        return ["ours"]
+    if why is not None:
+        sys.exit(f"train_step: --kda {choice} needs fla's chunk_kda: {why}")
+    return ["ours", "fla"] if choice == "both" else ["fla"]
+
+
+def swap_kda_kernel(model: torch.nn.Module, kernel) -> int:
+    """Point every KDA mixer of ``model`` at ``kernel`` (an instance attribute); the number swapped."""
+    mixers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    for m in mixers:
+        m.kernel = kernel
+    return len(mixers)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="k3_bench_1b")
     ap.add_argument("--batch", type=int, default=2)
@@ -52,81 +149,146 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="train_step.json")
-    ap.add_argument("--params", choices=("bf16", "fp32"), default="bf16",
-                    help="parameter storage (precision.params): bf16 with fp32 main weights, or fp32")
+    ap.add_argument("--params", choices=("bf16", "fp32"), default=None,
+                    help="parameter storage (precision.params): bf16 with fp32 main weights, or fp32 "
+                         "(default: bf16 on GPU, fp32 on CPU, as the trainer's 'auto')")
     ap.add_argument("--recompute", choices=RECOMPUTE_POLICIES, default="none",
                     help="activation recompute policy (train.recompute)")
+    ap.add_argument("--kda", choices=("ours", "fla", "both"), default=None,
+                    help="KDA kernel: ours, fla's chunk_kda, or both in turn (default: both where fla imports "
+                         "and CUDA is there, else ours)")
+    ap.add_argument("--optim", choices=("adamw", "muon"), default=None,
+                    help="optimizer, as conf/optim/<name>.yaml (default: conf/config.yaml's, the trainer's)")
     ap.add_argument("--profile", action="store_true", help="also profile two steps (kernels by kind and time)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
-    cfg = model_config(args.model)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.params = args.params or ("bf16" if device.type == "cuda" else "fp32")
+    if device.type == "cpu" and args.params == "bf16":
+        sys.exit("train_step: --params bf16 needs bf16 autocast, i.e. a GPU (on CPU the step runs in fp32)")
+    args.optim = args.optim or default_optim()
+    variants = kda_variants(args.kda)
+    cfg, ocfg = model_config(args.model), optim_config(args.optim)
+    g = torch.Generator().manual_seed(1)  # the batch, the same for every variant
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    print(f"{'model':>12} {'B×T':>10} {'kda':>4} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
+          f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
+    rows = [run_variant(kda, args, cfg, ocfg, x, y, device) for kda in variants]
+    by = {r["kda"]: r for r in rows}
+    ratio = None
+    if "ours" in by and "fla" in by:
+        ours, fla = by["ours"], by["fla"]
+        ratio = {"step_ms": ours["step_ms"] / fla["step_ms"],
+                 **{k: ours["phase_ms"][k] / fla["phase_ms"][k] for k in PHASES if fla["phase_ms"][k] > 0}}
+        print("time ours/fla (< 1: ours faster): " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()))
+    Path(args.json).write_text(json.dumps({"rows": rows, "ours_over_fla": ratio}, indent=2))
+    return rows
+
+
+def _fmt(v, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
+
+
+def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Tensor, y: torch.Tensor,
+                device: torch.device) -> dict:
+    """Build the model (seed 0) with the ``kda`` kernel, time ``args.steps`` steps, print its line; its row."""
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
-    device = torch.device("cuda")
     model = K3Model(cfg).to(device)
+    if kda == "fla" and swap_kda_kernel(model, fla_kernel()) == 0:
+        raise ValueError(f"{args.model} has no KDA layer to run fla's kernel in")
+    if ocfg.qk_clip_tau:  # as the trainer: the MLA layers track their max logit for QK-clip
+        from k3train.model.mla import GatedMLA
+        from k3train.optim.qk_clip import apply_qk_clip
+
+        for m in model.modules():
+            if isinstance(m, GatedMLA):
+                m.track_max_logit = True
     main = MainParams(model, torch.bfloat16 if args.params == "bf16" else torch.float32)
     grads = GradBuffers(model, None)
     apply_recompute(model, args.recompute)
-    opt = build_optimizer(model, OptimConfig(lr=1e-4))
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    opt = build_optimizer(model, ocfg)
+    if hasattr(opt, "check_finite"):  # as the trainer, whose step guard checks the gradient norm instead
+        opt.check_finite = False
 
     moe = model.moe_layers()
-    phases = ("forward", "backward", "optimizer", "qb")
-    events: list[dict] = []
+    ticks: list[list] = []
+
+    def tick():
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     def step() -> torch.Tensor:
-        marks = {name: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                 for name in phases}
+        t = [tick()]
         grads.zero()
-        marks["forward"][0].record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = model(x, labels=y)
-        marks["forward"][1].record()
-        marks["backward"][0].record()
+        t.append(tick())
         loss.backward()
         grads.reduce()
-        marks["backward"][1].record()
-        marks["optimizer"][0].record()
+        t.append(tick())
         opt.step()
+        if ocfg.qk_clip_tau:
+            apply_qk_clip(model, ocfg.qk_clip_tau)
         main.sync_model()
-        marks["optimizer"][1].record()
-        marks["qb"][0].record()
+        t.append(tick())
         for layer in moe:
             layer.update_bias()
             layer.load.reset()
-        marks["qb"][1].record()
-        events.append(marks)
+        t.append(tick())
+        ticks.append(t)
         return loss.detach()
 
+    def elapsed_ms(a, b) -> float:
+        return a.elapsed_time(b) if cuda else (b - a) * 1e3
+
+    first = None
     for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    events.clear()
+        loss = step()
+        first = loss if first is None else first
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    ticks.clear()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
-    torch.cuda.synchronize()
+        first = loss if first is None else first
+    if cuda:
+        torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
-    phase_ms = {name: sum(m[name][0].elapsed_time(m[name][1]) for m in events) / len(events) for name in phases}
+    phase_ms = {name: sum(elapsed_ms(t[i], t[i + 1]) for t in ticks) / len(ticks) for i, name in enumerate(PHASES)}
     qb_ms = phase_ms["qb"]
     tok = args.batch * args.seq
     tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
-    row = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": f"bf16 autocast, {args.params} params",
-           "recompute": args.recompute,
-           "gpu": torch.cuda.get_device_name(), "step_ms": dt * 1e3, "tokens_per_s": tok / dt,
-           "model_tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS,
-           "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
+    dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
+    row = {"model": args.model, "kda": kda, "optim": args.optim, "batch": args.batch, "seq": args.seq,
+           "dtype": dtype, "recompute": args.recompute,
+           "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3, "tokens_per_s": tok / dt,
+           "model_tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS if cuda else None,
+           "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS if cuda else None,
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "first_loss": float(first), "loss": float(loss),
            "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
-    print(f"{'model':>12} {'B×T':>10} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} {'TFLOP/s':>8} "
-          f"{'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    print(f"{args.model:>12} {args.batch}×{args.seq:<7} {args.recompute:>9} {row['step_ms']:>9.1f} "
-          f"{row['tokens_per_s']:>9.0f} {tflops:>8.1f} {row['mfu_datasheet']:>9.1%} {row['mfu_measured_gemm']:>9.1%} {row['peak_mem_gb']:>7.1f} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
-    print(f"{args.params} params; phases (GPU time between events, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()))
-    if args.profile:
+    print(f"{args.model:>12} {args.batch}×{args.seq:<7} {kda:>4} {args.optim:>5} {args.recompute:>9} "
+          f"{row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {tflops:>8.1f} {_fmt(row['mfu_datasheet'], '.1%', 9)} "
+          f"{_fmt(row['mfu_measured_gemm'], '.1%', 9)} {_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} "
+          f"{row['qb_share']:>5.1%}")
+    clock = "GPU time between events" if cuda else "host time"
+    print(f"  {kda}: {args.params} params, {args.optim}; loss {row['first_loss']:.4f} at the first step; "
+          f"phases ({clock}, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()), flush=True)
+    if args.profile and cuda:
         row["profile"] = profile(step)
-    Path(args.json).write_text(json.dumps(row, indent=2))
+    del model, main, grads, opt, moe, step
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
 
 
 KINDS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "grouped_mm", "matmul")), ("kda", ("kda", "chunk_")),

@@ -45,6 +45,14 @@ def init_dt_bias(n: int, generator: torch.Generator | None = None) -> torch.Tens
 class KimiDeltaAttention(nn.Module):
     """KDA mixer. Input/output [B, T, d]; heads sharded over TP."""
 
+    #: The recurrence kernel of the single-device path (``kernels.kda.kda``). It exists so that a
+    #: benchmark or test can swap in a reference kernel on one mixer (``mixer.kernel = f``, an instance
+    #: attribute; the class default stays) without patching a module global. ``f`` takes ``kda``'s
+    #: signature, ``f(q, k, v, g, beta, A_log, dt_bias, *, lower_bound, cu_seqlens, use_qk_l2norm, ...)``,
+    #: and returns ``(o, final_state)`` (``final_state`` may be None: the mixer does not read it). The
+    #: context-parallel path (``docs.shard``) does not use it.
+    kernel = staticmethod(kda_op)
+
     def __init__(self, cfg: ModelConfig, tp: TPSpec):
         super().__init__()
         self.tp = tp
@@ -102,8 +110,8 @@ class KimiDeltaAttention(nn.Module):
             def flat(t: torch.Tensor) -> torch.Tensor:
                 return t.reshape(1, B * T, *t.shape[2:]).contiguous()
 
-            o, _ = kda_op(flat(q), flat(k), flat(v), flat(f), flat(b), A_log, dt_bias, lower_bound=self.lower_bound,
-                          cu_seqlens=docs.cu_seqlens, use_qk_l2norm=True)
+            o, _ = self.kernel(flat(q), flat(k), flat(v), flat(f), flat(b), A_log, dt_bias,
+                               lower_bound=self.lower_bound, cu_seqlens=docs.cu_seqlens, use_qk_l2norm=True)
             o = o.view(B, T, H, h)
         o = rms_norm(o, self.tp.copy_to_tp(self.o_norm), self.eps)
         gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, h)

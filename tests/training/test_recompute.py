@@ -118,7 +118,8 @@ def test_recomputed_modules_run_again_as_replays(policy, monkeypatch):
         return run
 
     monkeypatch.setattr(attn_res_module, "attn_res_aggregate", counted("attn_res", attn_res_module.attn_res_aggregate))
-    monkeypatch.setattr(kda_module, "kda_op", counted("kda", kda_module.kda_op))
+    mixer = kda_module.KimiDeltaAttention  # its kernel seam: the recurrence each KDA mixer calls
+    monkeypatch.setattr(mixer, "kernel", staticmethod(counted("kda", mixer.kernel)))
     for layer in model.moe_layers():
         layer.gate.forward = counted("router", layer.gate.forward)
     _step(model, micro_batches=1)

@@ -1,0 +1,100 @@
+"""benchmarks/train_step.py on CPU: the KDA mixer's kernel seam, the fla adapter's argument mapping (with a
+CPU stand-in for fla's chunk_kda), and the benchmark end to end with Muon and AdamW (k3_tiny, one step)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3train.model.k3 import K3Model
+from k3train.model.kda import KimiDeltaAttention
+from kernels.kda import kda, kda_chunked
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import train_step  # noqa: E402
+
+
+def fake_chunk_kda(calls):
+    """fla's chunk_kda keywords over our chunked torch reference; records what each call was given."""
+
+    def chunk_kda(q, k, v, g, beta, *, A_log, dt_bias, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                  use_beta_sigmoid_in_kernel, safe_gate, lower_bound, cu_seqlens):
+        assert use_gate_in_kernel and use_beta_sigmoid_in_kernel and safe_gate
+        calls.append({"lower_bound": lower_bound, "cu_seqlens": cu_seqlens.tolist(), "shape": tuple(q.shape)})
+        return kda_chunked(q, k, v, g, beta, A_log, dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+                           use_qk_l2norm=use_qk_l2norm_in_kernel)
+
+    return chunk_kda
+
+
+def _tiny_loss(kernel=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = K3Model(train_step.model_config("k3_tiny"))
+    if kernel is not None:
+        assert train_step.swap_kda_kernel(model, kernel) == 6  # k3_tiny: 6 of its 9 layers are KDA
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(12), torch.arange(20)]).repeat(2, 1)  # two documents a row: cu_seqlens matters
+    loss = model(tokens[:, :-1], position_ids=pos, labels=tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def test_swapped_kernel_gives_the_default_output_and_gradients():
+    calls = []
+    ref_loss, ref_grads = _tiny_loss()
+    loss, grads = _tiny_loss(train_step.fla_kernel(fake_chunk_kda(calls)))
+    assert len(calls) == 6
+    assert all(c["lower_bound"] == -5.0 and c["cu_seqlens"] == [0, 12, 32, 44, 64] and c["shape"] == (1, 64, 2, 32)
+               for c in calls), calls[0]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+    assert KimiDeltaAttention.kernel is kda  # the class default is untouched by a swap on instances
+
+
+def test_fla_adapter_refuses_what_it_cannot_pass():
+    q = torch.randn(1, 16, 2, 32)
+    args = (q, q, q, q, q[..., 0], torch.zeros(2), torch.zeros(64))
+    adapter = train_step.fla_kernel(fake_chunk_kda([]))
+    o, state = adapter(*args, cu_seqlens=torch.tensor([0, 16], dtype=torch.int32))
+    assert o.shape == q.shape and state is None
+    for bad in ({"scale": 0.5}, {"initial_state": torch.zeros(1, 2, 32, 32)}, {"output_final_state": True},
+                {"use_qk_l2norm": False}):
+        with pytest.raises(ValueError, match=f"does not pass {next(iter(bad))}"):
+            adapter(*args, **bad)
+
+
+@pytest.mark.parametrize("optim", ("muon", "adamw"))
+def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, tmp_path, capsys):
+    out = tmp_path / "ts.json"
+    train_step.main(["--model", "k3_tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "1",
+                     "--kda", "ours", "--optim", optim, "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["ours_over_fla"] is None
+    (row,) = res["rows"]
+    assert row["kda"] == "ours" and row["optim"] == optim and row["gpu"] == "cpu" and row["mfu_datasheet"] is None
+    assert row["step_ms"] > 0 and set(row["phase_ms"]) == {"forward", "backward", "optimizer", "qb"}
+    assert torch.isfinite(torch.tensor([row["first_loss"], row["loss"]])).all()
+    assert f" ours {optim:>5} " in capsys.readouterr().out
+
+
+def test_defaults_come_from_the_trainer_config():
+    assert train_step.default_optim() == "muon"  # conf/config.yaml
+    muon = train_step.optim_config("muon")
+    assert muon.name == "muon" and muon.qk_clip_tau == 100.0  # conf/optim/muon.yaml, not OptimConfig's defaults
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla-core is installed here")
+def test_kda_fla_without_fla_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_step.main(["--model", "k3_tiny", "--kda", "fla"])
+    message = str(exit_.value.code)
+    assert message.startswith("train_step: --kda fla needs fla's chunk_kda: fla-core does not import")
+    assert "\n" not in message
