@@ -4,7 +4,7 @@ device copy ceiling and torchao's MX emulation (``torchao.prototype.mx_formats``
     python benchmarks/mx.py                                   # default shapes, bf16 input
     python benchmarks/mx.py --shapes 8192x8192 --dtypes bf16,fp32 --formats e4m3,e2m1 \
         --rules floor,rceil --json mx.json
-    python benchmarks/mx.py --sweep                           # launch configs of our kernels
+    python benchmarks/mx.py --sweep                           # launch configs, then the table
 
 Bytes (the operator's own I/O, a floor on traffic):
 * quantize: read N input elements, write N codes (1 byte FP8, 1/2 byte FP4) + N/32 scales;
@@ -41,6 +41,13 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # ms
 
 
+def scaled_input(shape, dtype):
+    """Normal data, each block of 32 scaled by 2^[-8, 8)."""
+    x = torch.randn(shape, device="cuda", dtype=torch.float32)
+    return (x * torch.exp2(torch.randint(-8, 8, (*shape[:-1], shape[-1] // 32, 1), device="cuda")
+                           ).repeat_interleave(32, -1).reshape(shape)).to(dtype)
+
+
 def torchao_fns(fmt: str, rule: str):
     """(quantize, dequantize) closures over torchao's emulation, or a reason string."""
     try:
@@ -66,9 +73,7 @@ def run_case(shape, dtype_name, fmt, rule, results, check_torchao=True):
     from kernels.mx import get_format, mx_dequantize, mx_fake_quantize, mx_quantize
     f = get_format(fmt)
     dtype = DTYPES[dtype_name]
-    x = torch.randn(shape, device="cuda", dtype=torch.float32)
-    x = (x * torch.exp2(torch.randint(-8, 8, (*shape[:-1], shape[-1] // 32, 1), device="cuda")
-                        ).repeat_interleave(32, -1).reshape(shape)).to(dtype)
+    x = scaled_input(shape, dtype)
     n = x.numel()
     in_b = x.element_size()
     code_b = 0.5 if f.packed else 1.0
@@ -91,6 +96,7 @@ def run_case(shape, dtype_name, fmt, rule, results, check_torchao=True):
     }
     row["quant_pct_ceiling"] = 100 * row["quant_GBps"] / (COPY_TBPS * 1e3)
     row["quant_pct_copy"] = 100 * row["quant_GBps"] / row["copy_GBps"]
+    row["dequant_pct_copy"] = 100 * row["dequant_GBps"] / row["copy_GBps"]
     ao = torchao_fns(fmt, rule) if check_torchao else "skipped"
     if isinstance(ao, str):
         row["torchao"] = ao
@@ -116,43 +122,64 @@ def run_case(shape, dtype_name, fmt, rule, results, check_torchao=True):
     return row
 
 
-def sweep(shape, dtype_name):
-    from kernels.mx import mx_dequantize, mx_quantize
+# launch configs (blocks of 32 per program, warps) the sweep tries
+SWEEP_CONFIGS = [(128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]
+
+
+def sweep(shape, dtype_names, formats):
+    """The kernels' launch configs, quantize and dequantize, each beside a copy of the same input
+    measured in this process. Sets the best config for the table."""
+    from kernels.mx import get_format, mx_quantize
     from kernels.mx import triton_mx
-    dtype = DTYPES[dtype_name]
-    x = torch.randn(shape, device="cuda", dtype=dtype)
-    n = x.numel()
     out = []
-    for fmt in ("e4m3", "e2m1"):
-        code_b = 0.5 if fmt == "e2m1" else 1.0
-        data, scale = mx_quantize(x, fmt, "rceil")
-        for op in ("quantize", "dequantize"):
-            saved = triton_mx.GPU_CONFIG[op]
-            for bb in (32, 64, 128):
-                for warps in (4, 8):
+    for dt in dtype_names:
+        x = scaled_input(shape, DTYPES[dt])
+        n, in_b = x.numel(), x.element_size()
+        y = torch.empty_like(x)
+        copy = 2 * n * in_b / bench(lambda: y.copy_(x)) / 1e6
+        for fmt in formats:
+            f = get_format(fmt)
+            data, scale = mx_quantize(x, fmt, "rceil")
+            codes = data.view(torch.uint8)
+            code_b = 0.5 if f.packed else 1.0
+            nbytes = n * in_b + n * code_b + n / 32  # same for both ops
+            for op in ("quantize", "dequantize"):
+                if op == "quantize":
+                    def fn():
+                        return triton_mx.quantize(x, f, "rceil")
+                else:
+                    def fn():
+                        return (triton_mx.dequantize(codes, scale, f, shape[-1], x.dtype),)
+                saved, first = triton_mx.GPU_CONFIG[op], None
+                for bb, warps in SWEEP_CONFIGS:
                     triton_mx.GPU_CONFIG[op] = (bb, warps)
-                    if op == "quantize":
-                        t = bench(lambda: mx_quantize(x, fmt, "rceil"))
-                    else:
-                        t = bench(lambda: mx_dequantize(data, scale, fmt, dtype=dtype))
-                    gbps = (n * x.element_size() + n * code_b + n / 32) / t / 1e6
-                    out.append({"fmt": fmt, "op": op, "blocks": bb, "warps": warps, "ms": t,
-                                "GBps": gbps})
-            triton_mx.GPU_CONFIG[op] = saved
-    best = {}
+                    got = fn()
+                    first = first or got
+                    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                               for a, b in zip(got, first))
+                    t = bench(fn)
+                    gbps = nbytes / t / 1e6
+                    out.append({"dtype": dt, "fmt": fmt, "op": op, "blocks": bb, "warps": warps,
+                                "ms": t, "GBps": gbps, "copy_GBps": copy,
+                                "pct_copy": 100 * gbps / copy, "bits_equal_first": same})
+                triton_mx.GPU_CONFIG[op] = saved
+        del x, y
+        torch.cuda.empty_cache()
+    print(f"\nsweep {'x'.join(map(str, shape))}, rceil (GB/s of operator I/O; copy measured "
+          f"beside it; 'same' = bits equal to the first config's output)")
+    print(f"{'in':>4} {'fmt':>4} {'op':>10} {'blocks':>6} {'warps':>5} | "
+          f"{'us':>7} {'GB/s':>6} {'copy':>6} {'%copy':>6} same")
     for r in out:
-        key = (r["fmt"], r["op"])
-        if key not in best or r["GBps"] > best[key]["GBps"]:
-            best[key] = r
-    print(f"sweep {shape} {dtype_name}: best per (fmt, op)")
-    for (fmt, op), r in sorted(best.items()):
-        print(f"  {fmt:5s} {op:10s} blocks={r['blocks']:3d} warps={r['warps']} "
-              f"{r['ms'] * 1e3:8.1f} us {r['GBps']:7.0f} GB/s")
-    # one config per op for the table: the best worst-case over the formats
+        print(f"{r['dtype']:>4} {r['fmt']:>4} {r['op']:>10} {r['blocks']:6d} "
+              f"{r['warps']:5d} | {r['ms'] * 1e3:7.1f} {r['GBps']:6.0f} {r['copy_GBps']:6.0f} "
+              f"{r['pct_copy']:6.1f} {r['bits_equal_first']}")
+    # one config per op for the table: the best worst case (% of copy) over dtypes and formats
     for op in ("quantize", "dequantize"):
-        cfgs = {(r["blocks"], r["warps"]) for r in out if r["op"] == op}
-        score = {c: min(r["GBps"] for r in out if r["op"] == op
-                        and (r["blocks"], r["warps"]) == c) for c in cfgs}
+        score = {}
+        for r in out:
+            if r["op"] == op:
+                c = (r["blocks"], r["warps"])
+                score[c] = min(score.get(c, 1e9), r["pct_copy"])
         triton_mx.GPU_CONFIG[op] = max(score, key=score.get)
     print(f"using {triton_mx.GPU_CONFIG} for the table")
     return out
@@ -173,7 +200,7 @@ def main():
     results, sweeps = [], []
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     if args.sweep:
-        sweeps = sweep(shapes[0], args.dtypes.split(",")[0])
+        sweeps = sweep(shapes[0], args.dtypes.split(","), args.formats.split(","))
     for shape in shapes:
         for dt in args.dtypes.split(","):
             for fmt in args.formats.split(","):
@@ -183,7 +210,7 @@ def main():
     print(f"\nMX kernels on {gpu} (torch {torch.__version__}, triton {triton.__version__}); "
           f"GB/s of operator I/O; ceiling {COPY_TBPS} TB/s copy")
     hdr = (f"{'shape':>16} {'in':>4} {'fmt':>4} {'rule':>5} | {'copy':>5} | {'quant':>5} "
-           f"{'%ceil':>5} {'%copy':>5} | {'dequant':>7} | {'fake':>5} | {'ao q':>5} "
+           f"{'%ceil':>5} {'%copy':>5} | {'dequant':>7} {'%copy':>5} | {'fake':>5} | {'ao q':>5} "
            f"{'ao dq':>5} {'agree':>6}")
     print(hdr)
     print("-" * len(hdr))
@@ -193,8 +220,8 @@ def main():
         agree = f"{100 * r['torchao_value_agree']:5.1f}%" if "torchao_value_agree" in r else "   n/a"
         print(f"{r['shape']:>16} {r['dtype']:>4} {r['fmt']:>4} {r['rule']:>5} | "
               f"{r['copy_GBps']:5.0f} | {r['quant_GBps']:5.0f} {r['quant_pct_ceiling']:5.1f} "
-              f"{r['quant_pct_copy']:5.1f} | {r['dequant_GBps']:7.0f} | {r['fake_GBps']:5.0f} | "
-              f"{ao_q} {ao_dq} {agree}")
+              f"{r['quant_pct_copy']:5.1f} | {r['dequant_GBps']:7.0f} "
+              f"{r['dequant_pct_copy']:5.1f} | {r['fake_GBps']:5.0f} | {ao_q} {ao_dq} {agree}")
     notes = {r.get("torchao") for r in results if r.get("torchao")}
     for n in notes:
         print("note:", n)

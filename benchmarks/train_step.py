@@ -53,6 +53,7 @@ from k3train.config.schema import RECOMPUTE_POLICIES, ModelConfig, OptimConfig
 from k3train.model.k3 import K3Model
 from k3train.model.kda import KimiDeltaAttention
 from k3train.optim.builder import build_optimizer
+from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
 from k3train.precision.main_params import MainParams
 from k3train.training.flops import train_flops_per_token
@@ -211,12 +212,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
     if kda == "fla" and swap_kda_kernel(model, fla_kernel()) == 0:
         raise ValueError(f"{args.model} has no KDA layer to run fla's kernel in")
     if ocfg.qk_clip_tau:  # as the trainer: the MLA layers track their max logit for QK-clip
-        from k3train.model.mla import GatedMLA
-        from k3train.optim.qk_clip import apply_qk_clip
-
-        for m in model.modules():
-            if isinstance(m, GatedMLA):
-                m.track_max_logit = True
+        track_max_logits(model)
     main = MainParams(model, torch.bfloat16 if args.params == "bf16" else torch.float32)
     grads = GradBuffers(model, None)
     apply_recompute(model, args.recompute)

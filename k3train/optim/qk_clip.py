@@ -98,6 +98,12 @@ class QKClipReport(Mapping):
         return len(self._read())
 
 
+def track_max_logits(model: nn.Module) -> None:
+    """Make every MLA layer of ``model`` keep the per-head max logit that ``apply_qk_clip`` reads."""
+    for _, mod in find_mla_modules(model):
+        mod.track_max_logit = True
+
+
 @torch.no_grad()
 def apply_qk_clip(model: nn.Module, tau: Optional[float], group=None) -> QKClipReport:
     """Clip the q/k weights of every MLA head whose tracked max logit exceeds ``tau``.

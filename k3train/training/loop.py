@@ -37,8 +37,8 @@ from k3train.config.schema import K3Config
 from k3train.config.validate import precision_dtypes
 from k3train.data.batches import batch_to_device
 from k3train.model.k3 import K3Model
-from k3train.model.mla import GatedMLA
 from k3train.optim.builder import build_optimizer, build_scheduler
+from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
 from k3train.parallel.pipeline.layout import build_chunks
 from k3train.parallel.pipeline.stage import OnAnotherStage, keep_stage
@@ -109,9 +109,7 @@ class Trainer:
             enable_expert_qat(self.model)
             rounding = qat_roundings(self.model)
         if cfg.optim.qk_clip_tau:
-            for m in self.model.modules():
-                if isinstance(m, GatedMLA):
-                    m.track_max_logit = True
+            track_max_logits(self.model)
         apply_recompute(self.model, t.recompute)  # after the stage split and QAT (k3train/training/recompute.py)
         self.main = MainParams(self.model, torch.bfloat16 if params_dtype == "bf16" else torch.float32, rounding)
         self.grads = GradBuffers(self.model, self.groups)
@@ -268,8 +266,6 @@ class Trainer:
                 self.optimizer.step()
             self.scheduler.step()
             if self.cfg.optim.qk_clip_tau and not skipped:
-                from k3train.optim.qk_clip import apply_qk_clip
-
                 qk_clip = apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp_cp)
             if not skipped:
                 self.main.sync_model()  # before re-scoring the router inputs with the updated router

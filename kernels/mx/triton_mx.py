@@ -1,22 +1,31 @@
 """Triton kernels for MX quantize / dequantize / fake-quantize.
 
 The tensor is viewed as [n_blocks, 32] (blocks run along the contiguous last
-dimension), and each program handles ``BLOCK_B`` blocks. All decisions that
-must be exact are made on the fp32 bit patterns with integer ops, and no float
-op ever takes or makes an fp32 subnormal, so flush-to-zero cannot change a
-result. The only float arithmetic is
+dimension), and each program handles ``BLOCK_B`` blocks. Elements travel in
+pairs (columns 2i, 2i+1): inputs are read as int32 (bf16) or int64 (fp32)
+words, FP4 codes as one byte, FP8 codes as one int16, outputs written as pair
+words. Both halves of every output unit sit in one thread, so no kernel needs a
+split/join layout change. All decisions that must be exact are made on the fp32
+bit patterns with integer ops, and no float op ever takes or makes an fp32
+subnormal that matters, so flush-to-zero cannot change a result. The only float
+arithmetic is
 
 * ``y = x * 2**-k`` for normal ``x`` (exact: the multiplier is a normal power
   of two; a product below 2**-126 is far below half the element format's
   smallest step, so it rounds to zero whether or not it is flushed). fp32
-  subnormal inputs take an integer path (``float(m)`` with its exponent moved);
+  subnormal inputs matter only in programs with a block of k < LOW_K, which
+  take an integer path for them (``float(m)`` with its exponent moved);
 * the round-to-nearest-even step ``|y| + C`` with ``C = 2**(e + 23 - M)``: the
   fp32 adder rounds ``|y|`` to a multiple of ``2**(e - M)``, ties to even, and
-  ``bits(|y| + C) - bits(C)`` is then the rounded integer mantissa.
+  ``bits(|y| + C) - bits(C)`` is then the rounded integer mantissa;
+* decoding in programs whose blocks all have LOW_K <= k <= HIGH_K (every value
+  is then a normal fp32): ``(|y| + C) - C`` and ``* 2**k`` (fake quant), and
+  ``float(mant) * 2**(emin - M + k)`` for subnormal codes (dequantize; normal
+  codes are a shift and an integer add). There, bf16 outputs are the top half of
+  the fp32 bits (values have at most 4 significant bits: exact).
 
-Decoding (dequantize, fake quant) builds the fp32 bit pattern of
-``code value * 2**k`` with integer ops (subnormal results included), and bf16
-outputs are rounded from those bits with integer ops.
+Other programs decode with integer ops only (subnormal results included) and
+round bf16 outputs with integer ops (RNE).
 
 The rules are the same as the float64 reference (see ``formats.py``) and tests
 check the two bit for bit. On CPU the kernels run through Triton's interpreter
@@ -35,15 +44,68 @@ from .formats import BLOCK, ElemFormat
 
 
 @triton.jit
-def _store_bits(ptr, bits, mask, OUT_BF16: tl.constexpr):
-    """Store fp32 values given as int32 bit patterns. bf16 is rounded with integer ops (RNE,
-    subnormals kept), so the interpreter and any GPU agree with torch's conversion bit for bit."""
+def _rne_bf16(bits):
+    """fp32 bit patterns -> bf16 bit patterns (low 16 bits) with integer ops: RNE, subnormals
+    kept, NaN -> 0x7FC0 (the interpreter flushes bf16 subnormals; this agrees with torch)."""
+    r = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+
+
+@triton.jit
+def _split_pairs(w, IN_BF16: tl.constexpr):
+    """A loaded pair word -> fp32 bit patterns (int32) of its even and odd element."""
+    if IN_BF16:  # int32 word, even element in the low half
+        return w << 16, w & -65536
+    else:  # int64 word
+        return w.to(tl.int32), (w >> 32).to(tl.int32)
+
+
+@triton.jit
+def _join_pairs(lo, hi, OUT_BF16: tl.constexpr):
+    """Inverse of _split_pairs; for bf16 ``lo``/``hi`` hold bf16 bit patterns in their low half."""
     if OUT_BF16:
-        r = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) & 0xFFFF
-        r = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-        tl.store(ptr, r.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        return (lo & 0xFFFF) | (hi << 16)
     else:
-        tl.store(ptr, bits.to(tl.float32, bitcast=True), mask=mask)
+        return (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
+
+
+@triton.jit
+def _subnormal_inputs(ab, ay, k):
+    """|x| * 2**-k for fp32-subnormal |x| without a float op on a subnormal: float(m) is exact
+    and normal, so add (-149 - k) to its exponent; results below 2**-126 round to zero in every
+    element format anyway. Other elements keep ``ay``."""
+    sub_e = tl.maximum(-149 - k, -160)  # clamp keeps the shift in int32 range
+    ys = ab.to(tl.float32).to(tl.int32, bitcast=True) + (sub_e << 23)[:, None]
+    ys = tl.where(ys >= 0x00800000, ys, 0).to(tl.float32, bitcast=True)
+    return tl.where(ab < 0x00800000, ys, ay)
+
+
+@triton.jit
+def _rne_step(ay, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """RNE of |y| to the element grid: returns (bits(|y| + C), bits(C), biased binade)."""
+    ey_b = tl.maximum(ay.to(tl.int32, bitcast=True) >> 23, EMIN + 127)  # subnormals share emin
+    c_b = (ey_b + (23 - MBITS)) << 23
+    s_b = (ay + c_b.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    return s_b, c_b, ey_b
+
+
+@triton.jit
+def _code(ay, sat, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """Saturated magnitude code. ``sat`` (per row, unsigned) is max_code, or the NaN code for
+    non-finite blocks, whose Inf/NaN elements leave huge unsigned garbage that the min drops."""
+    s_b, c_b, ey_b = _rne_step(ay, MBITS, EMIN)
+    code = ((ey_b - (EMIN + 127)) << MBITS) + (s_b - c_b)
+    return tl.minimum(code.to(tl.uint32, bitcast=True), sat[:, None]).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _fake_fast(ay, b, p2, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_VALUE: tl.constexpr):
+    """Rounded value * 2**k as fp32 bits with the input's sign: (|y| + C) - C is the rounded
+    magnitude exactly; for k >= LOW_K every operand and result is normal (or zero or Inf)."""
+    s_b, c_b, ey_b = _rne_step(ay, MBITS, EMIN)
+    q = s_b.to(tl.float32, bitcast=True) - c_b.to(tl.float32, bitcast=True)
+    q = tl.minimum(q, MAX_VALUE)
+    return (q * p2[:, None]).to(tl.int32, bitcast=True) | (b & -2147483648)
 
 
 @triton.jit
@@ -64,33 +126,61 @@ def _decode_bits(mag, k, MBITS: tl.constexpr, EMIN: tl.constexpr):
     return tl.where(mag == 0, 0, bits)
 
 
+@triton.jit
+def _decode_fast(mag, k, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """Like _decode_bits for LOW_K <= k <= HIGH_K, where every value is a normal fp32: normal
+    codes are a shift and an add of the row's exponent; subnormal codes are float(mant) times a
+    normal power of two (for E2M1 the one subnormal code is 2**(k-1), its bits times mant)."""
+    rowc = ((127 + EMIN - 1 + k) << 23)[:, None]  # bits of 2**(EMIN - 1 + k)
+    nb = (mag << (23 - MBITS)) + rowc
+    if MBITS == 1:
+        sb = mag * rowc
+    else:
+        sub = ((127 + EMIN - MBITS + k) << 23).to(tl.float32, bitcast=True)
+        sb = (mag.to(tl.float32) * sub[:, None]).to(tl.int32, bitcast=True)
+    return tl.where(mag < (1 << MBITS), sb, nb)
+
+
+@triton.jit
+def _finish_decode(bits, mag, sgn, nanrow, MBITS: tl.constexpr, MAX_CODE: tl.constexpr,
+                   INF_CODE: tl.constexpr, SIGN_SHIFT: tl.constexpr):
+    """Inf/NaN codes and NaN scale rows (one compare against a per-row threshold), then the
+    sign: bit 31 of ``sgn``."""
+    if MAX_CODE < (1 << SIGN_SHIFT) - 1:  # the format has Inf/NaN codes
+        thr = tl.where(nanrow, 0, MAX_CODE + 1)[:, None]
+        if INF_CODE > 0:  # E5M2: 0x7C -> Inf, 0x7D-0x7F -> NaN (nonzero mantissa)
+            spc = tl.where(nanrow, 0x7FC00000, 0x7F800000 - (INF_CODE << (23 - MBITS)))
+            special = (mag << (23 - MBITS)) | spc[:, None]
+        else:
+            special = 0x7FC00000
+        bits = tl.where(mag >= thr, special, bits)
+    else:
+        bits = tl.where(nanrow[:, None], 0x7FC00000, bits)
+    return bits | (sgn & -2147483648)
+
+
 def _mx_quantize_kernel(
     x_ptr, out_ptr, scale_ptr, n_blocks,
     MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
     MAX_CODE: tl.constexpr, MAX_MANT: tl.constexpr, NAN_CODE: tl.constexpr,
     SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, RCEIL: tl.constexpr,
-    FAKE: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
+    FAKE: tl.constexpr, IN_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
     MAX_VALUE: tl.constexpr, LOW_K: tl.constexpr,
 ):
+    """x is read as pair words (int32 for bf16, int64 for fp32), so the even and odd element of
+    every output byte (FP4), int16 (FP8) or pair word (fake) sit in one thread: no split/join."""
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * BLOCK_B  # 64-bit base once, 32-bit offsets per element
-    x_ptr += first * 32
     rows = tl.arange(0, BLOCK_B)
     rmask = rows < n_blocks - first
-    cols = tl.arange(0, 32)
-    offs = rows[:, None] * 32 + cols[None, :]
-    xin = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0)
-    if IN_BF16:
-        # widen with integer ops: exact for bf16 subnormals too (the interpreter flushes them)
-        b = xin.to(tl.int16, bitcast=True).to(tl.int32) << 16
-    else:
-        b = xin.to(tl.int32, bitcast=True)
-    x = b.to(tl.float32, bitcast=True)
-    ab = b & 0x7FFFFFFF
-    neg = b < 0
+    offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]  # pair index
+    w = tl.load(x_ptr + first * 16 + offs, mask=rmask[:, None], other=0)
+    lo, hi = _split_pairs(w, IN_BF16)
+    ab_lo = lo & 0x7FFFFFFF
+    ab_hi = hi & 0x7FFFFFFF
 
     # ---- per-block shared exponent k (integer ops on amax's bits) ----
-    amax_b = tl.max(ab, axis=1)  # non-negative floats order like their bit patterns
+    amax_b = tl.max(tl.maximum(ab_lo, ab_hi), axis=1)  # non-negative floats order like ints
     nonfinite = amax_b >= 0x7F800000  # any Inf or NaN in the block
     ea = amax_b >> 23
     if RCEIL:
@@ -104,51 +194,53 @@ def _mx_quantize_kernel(
 
     # ---- y = x * 2**-k ; -k in [-127, 126] so the multiplier is a normal float ----
     inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
-    ay = tl.abs(x) * inv[:, None]
+    ay_lo = ab_lo.to(tl.float32, bitcast=True) * inv[:, None]
+    ay_hi = ab_hi.to(tl.float32, bitcast=True) * inv[:, None]
     lowk = tl.min(k, axis=0) < LOW_K  # rare: a block so small that subnormals matter
     if lowk:
-        # fp32-subnormal inputs never enter a float op (exact under any flush-to-zero
-        # setting): |x| = m * 2**-149, float(m) is exact and normal, so add (-149 - k) to its
-        # exponent; a result below 2**-126 rounds to zero in every element format anyway.
-        # For k >= LOW_K such inputs give |y| < 2**-17, below half of any format's step.
-        sub_e = tl.maximum(-149 - k, -160)  # clamp keeps the shift in int32 range
-        ys = (ab.to(tl.float32).to(tl.int32, bitcast=True) + (sub_e << 23)[:, None])
-        ys = tl.where(ys >= 0x00800000, ys, 0).to(tl.float32, bitcast=True)
-        ay = tl.where(ab < 0x00800000, ys, ay)
-
-    # ---- RNE to the element grid ----
-    ay_b = ay.to(tl.int32, bitcast=True)
-    ey_b = tl.maximum(ay_b >> 23, EMIN + 127)  # biased binade; subnormals share emin
-    c_b = (ey_b + (23 - MBITS)) << 23
-    s_b = (ay + c_b.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-    qi = s_b - c_b  # rounded mantissa count in units of 2**(e - M)
-    code = ((ey_b - (EMIN + 127)) << MBITS) + qi
-    code = tl.minimum(code, MAX_CODE)  # saturate
-    code = tl.where(nonfinite[:, None], NAN_CODE, code)
+        # for k >= LOW_K an fp32-subnormal input gives |y| < 2**-17, below half of any step
+        ay_lo = _subnormal_inputs(ab_lo, ay_lo, k)
+        ay_hi = _subnormal_inputs(ab_hi, ay_hi, k)
 
     if FAKE:
         if lowk:
-            bits = _decode_bits(code, k[:, None], MBITS, EMIN)
+            sat = tl.full([BLOCK_B], MAX_CODE, tl.uint32)
+            b_lo = _decode_bits(_code(ay_lo, sat, MBITS, EMIN), k[:, None], MBITS, EMIN)
+            b_hi = _decode_bits(_code(ay_hi, sat, MBITS, EMIN), k[:, None], MBITS, EMIN)
+            b_lo = b_lo | (lo & -2147483648)
+            b_hi = b_hi | (hi & -2147483648)
         else:
-            # (|y| + C) - C is the rounded magnitude exactly; saturate; * 2**k. For
-            # k >= LOW_K every operand and result is a normal float (or zero or Inf).
-            q = s_b.to(tl.float32, bitcast=True) - c_b.to(tl.float32, bitcast=True)
-            q = tl.minimum(q, MAX_VALUE)
             p2 = ((k + 127) << 23).to(tl.float32, bitcast=True)
-            bits = (q * p2[:, None]).to(tl.int32, bitcast=True)
-        bits = bits | (neg.to(tl.int32) << 31)
-        bits = tl.where(nonfinite[:, None], 0x7FC00000, bits)
-        _store_bits(out_ptr + first * 32 + offs, bits, rmask[:, None], OUT_BF16)
+            b_lo = _fake_fast(ay_lo, lo, p2, MBITS, EMIN, MAX_VALUE)
+            b_hi = _fake_fast(ay_hi, hi, p2, MBITS, EMIN, MAX_VALUE)
+        b_lo = tl.where(nonfinite[:, None], 0x7FC00000, b_lo)
+        b_hi = tl.where(nonfinite[:, None], 0x7FC00000, b_hi)
+        if IN_BF16:
+            if lowk:  # bf16 subnormal results need rounding
+                b_lo = _rne_bf16(b_lo)
+                b_hi = _rne_bf16(b_hi)
+            else:  # <= 4 significant bits, normal or Inf: truncation is exact
+                b_lo = b_lo >> 16
+                b_hi = b_hi >> 16
+        tl.store(out_ptr + first * 16 + offs, _join_pairs(b_lo, b_hi, IN_BF16),
+                 mask=rmask[:, None])
     else:
-        code = code | (neg.to(tl.int32) << SIGN_SHIFT)
-        if PACK:
-            pairs = tl.reshape(code, (BLOCK_B, 16, 2))
-            lo, hi = tl.split(pairs)
-            byte = (lo | (hi << 4)).to(tl.uint8)
-            poffs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
-            tl.store(out_ptr + first * 16 + poffs, byte, mask=rmask[:, None])
-        else:
-            tl.store(out_ptr + first * 32 + offs, code.to(tl.uint8), mask=rmask[:, None])
+        sat = tl.where(nonfinite, NAN_CODE, MAX_CODE).to(tl.uint32)
+        c_lo = _code(ay_lo, sat, MBITS, EMIN)
+        c_hi = _code(ay_hi, sat, MBITS, EMIN)
+        if NAN_CODE > MAX_CODE:  # FP8: every code of a non-finite block is the NaN code
+            nan_or = tl.where(nonfinite, NAN_CODE, 0)[:, None]
+            c_lo = c_lo | nan_or
+            c_hi = c_hi | nan_or
+        # sign bit 31 -> bit SIGN_SHIFT (arithmetic shift)
+        c_lo = c_lo | ((lo >> (31 - SIGN_SHIFT)) & (1 << SIGN_SHIFT))
+        c_hi = c_hi | ((hi >> (31 - SIGN_SHIFT)) & (1 << SIGN_SHIFT))
+        if PACK:  # byte: column 2i in the low nibble
+            tl.store(out_ptr + first * 16 + offs, (c_lo | (c_hi << 4)).to(tl.uint8),
+                     mask=rmask[:, None])
+        else:  # int16: column 2i in the low byte
+            tl.store(out_ptr + first * 16 + offs, (c_lo | (c_hi << 8)).to(tl.int16),
+                     mask=rmask[:, None])
         sbyte = tl.where(nonfinite, 255, k + 127).to(tl.uint8)
         tl.store(scale_ptr + first + rows, sbyte, mask=rmask)
 
@@ -157,46 +249,46 @@ def _mx_dequantize_kernel(
     data_ptr, scale_ptr, out_ptr, n_blocks,
     MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr, INF_CODE: tl.constexpr,
     SIGN_SHIFT: tl.constexpr, PACK: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_B: tl.constexpr,
-    SUB_UNIT: tl.constexpr, LOW_K: tl.constexpr,
+    LOW_K: tl.constexpr, HIGH_K: tl.constexpr,
 ):
+    """Codes are read in signed pairs (an int8 for FP4, an int16 for FP8) and written as pair
+    words (int32 for bf16, int64 for fp32)."""
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * BLOCK_B
     rows = tl.arange(0, BLOCK_B)
     rmask = rows < n_blocks - first
-    cols = tl.arange(0, 32)
-    offs = rows[:, None] * 32 + cols[None, :]
-    out_ptr += first * 32
-    scale_ptr += first
+    offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+    # a sign-extended pair: bit 31 is the sign of the odd column's code
+    v = tl.load(data_ptr + first * 16 + offs, mask=rmask[:, None], other=0).to(tl.int32)
+    c_lo = v << (31 - SIGN_SHIFT)  # bit 31: the even column's sign
     if PACK:
-        data_ptr += first * 16
-        poffs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
-        byte = tl.load(data_ptr + poffs, mask=rmask[:, None], other=0).to(tl.int32)
-        code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_B, 32))
+        mag_lo = v & 0x7
+        mag_hi = (v >> 4) & 0x7
     else:
-        data_ptr += first * 32
-        code = tl.load(data_ptr + offs, mask=rmask[:, None], other=0).to(tl.int32)
-    s = tl.load(scale_ptr + rows, mask=rmask, other=127).to(tl.int32)
+        mag_lo = v & 0x7F
+        mag_hi = (v >> 8) & 0x7F
+    s = tl.load(scale_ptr + first + rows, mask=rmask, other=127).to(tl.int32)
     k = s - 127
-
-    neg = (code >> SIGN_SHIFT) & 1
-    mag = code & ((1 << SIGN_SHIFT) - 1)
-    if tl.min(k, axis=0) < LOW_K:
-        bits = _decode_bits(mag, k[:, None], MBITS, EMIN)
+    nanrow = s == 255
+    # rare: some block's values leave the normal fp32 range (k = 128 is the NaN scale)
+    slow = tl.max(((k < LOW_K) | ((k > HIGH_K) & (s != 255))).to(tl.int32), axis=0) > 0
+    if slow:
+        b_lo = _decode_bits(mag_lo, k[:, None], MBITS, EMIN)
+        b_hi = _decode_bits(mag_hi, k[:, None], MBITS, EMIN)
     else:
-        # element value as a normal fp32 (normal codes: move the bits into place; subnormal
-        # codes: float(mant) * 2**(emin - M)), then * 2**k. For k >= LOW_K every product is
-        # a normal float (or zero or Inf), so this is exact under any flush-to-zero setting.
-        vn = ((mag << (23 - MBITS)) + ((127 + EMIN - 1) << 23)).to(tl.float32, bitcast=True)
-        vs = mag.to(tl.float32) * SUB_UNIT
-        v = tl.where(mag < (1 << MBITS), vs, vn)
-        p2 = ((k + 127) << 23).to(tl.float32, bitcast=True)  # k = 128 (NaN scale) gives Inf
-        bits = (v * p2[:, None]).to(tl.int32, bitcast=True)
-    if MAX_CODE < (1 << SIGN_SHIFT) - 1:  # the format has Inf/NaN codes
-        bits = tl.where(mag > MAX_CODE, 0x7FC00000, bits)
-        bits = tl.where(mag == INF_CODE, 0x7F800000, bits)
-    bits = bits | (neg << 31)
-    bits = tl.where((s == 255)[:, None], 0x7FC00000, bits)
-    _store_bits(out_ptr + offs, bits, rmask[:, None], OUT_BF16)
+        b_lo = _decode_fast(mag_lo, k, MBITS, EMIN)
+        b_hi = _decode_fast(mag_hi, k, MBITS, EMIN)
+    b_lo = _finish_decode(b_lo, mag_lo, c_lo, nanrow, MBITS, MAX_CODE, INF_CODE, SIGN_SHIFT)
+    b_hi = _finish_decode(b_hi, mag_hi, v, nanrow, MBITS, MAX_CODE, INF_CODE, SIGN_SHIFT)
+    if OUT_BF16:
+        if slow:
+            b_lo = _rne_bf16(b_lo)
+            b_hi = _rne_bf16(b_hi)
+        else:  # normal values with <= 4 significant bits, Inf or NaN: truncation is exact
+            b_lo = b_lo >> 16
+            b_hi = b_hi >> 16
+    tl.store(out_ptr + first * 16 + offs, _join_pairs(b_lo, b_hi, OUT_BF16),
+             mask=rmask[:, None])
 
 
 def interpreter_active() -> bool:
@@ -232,10 +324,14 @@ def _max_mant(fmt: ElemFormat) -> int:
 # result can be an fp32 subnormal: the smallest nonzero element value is 2**-16 (E5M2) and
 # 2**-16 * 2**-109 is normal; an fp32-subnormal input gives |y| < 2**(-126 - k) <= 2**-17,
 # below half of any format's smallest step. Other programs take exact integer paths.
+# Dequantize's fast path also needs k <= HIGH_K = 127 - emax (passed per format): the largest
+# value stays finite, so the integer exponent add cannot carry out of the exponent field.
 LOW_K = -109
 
-# (blocks of 32 per program, warps) on GPU; benchmarks/mx.py --sweep tunes these.
-GPU_CONFIG = {"quantize": (128, 8), "dequantize": (128, 8)}  # H200 sweep, 2026-11-29
+# (blocks of 32 per program, warps) on GPU; benchmarks/mx.py --sweep tunes these. From the H200
+# sweep of these kernels, 2026-11-30 (docs/results/mx_sweep_h200_2026-11-30.json): the best
+# worst case over bf16/fp32 x E4M3/E2M1 at 8192x8192.
+GPU_CONFIG = {"quantize": (128, 4), "dequantize": (256, 4)}
 
 
 def _launch_cfg(x: torch.Tensor, op: str):
@@ -247,27 +343,37 @@ def _launch_cfg(x: torch.Tensor, op: str):
     return False, bb, warps
 
 
+def _pairs(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """View a contiguous tensor (even last dim) as words of two elements."""
+    if t.storage_offset() % 2:  # a view must start on a word boundary
+        t = t.clone()
+    return t.view(dtype)
+
+
+_PAIR = {torch.bfloat16: torch.int32, torch.float32: torch.int64}
+
+
 def quantize(x: torch.Tensor, fmt: ElemFormat, rule: str, fake: bool = False):
     """x: contiguous [..., K] float32/bfloat16 with K % 32 == 0 (checked by the caller)."""
     n_blocks = x.numel() // BLOCK
     if fake:
         out = torch.empty_like(x)
-        scale = out  # unused
+        out_arg, scale = out.view(_PAIR[x.dtype]), out  # (scale unused)
     else:
         k = x.shape[-1]
         out = torch.empty(*x.shape[:-1], k // 2 if fmt.packed else k, dtype=torch.uint8,
                           device=x.device)
+        out_arg = out if fmt.packed else out.view(torch.int16)
         scale = torch.empty(*x.shape[:-1], k // BLOCK, dtype=torch.uint8, device=x.device)
     if n_blocks:
         interpret, bb, warps = _launch_cfg(x, "quantize")
         kern = _kernel("quantize")
         grid = (triton.cdiv(n_blocks, bb),)
-        kern[grid](x, out, scale, n_blocks,
+        kern[grid](_pairs(x, _PAIR[x.dtype]), out_arg, scale, n_blocks,
                    MBITS=fmt.mbits, EMIN=fmt.emin, EMAX=fmt.emax, MAX_CODE=fmt.max_code,
                    MAX_MANT=_max_mant(fmt), NAN_CODE=fmt.nan_code, SIGN_SHIFT=fmt.bits - 1,
                    PACK=fmt.packed, RCEIL=(rule == "rceil"), FAKE=fake,
-                   IN_BF16=(x.dtype == torch.bfloat16),
-                   OUT_BF16=(fake and x.dtype == torch.bfloat16), BLOCK_B=bb,
+                   IN_BF16=(x.dtype == torch.bfloat16), BLOCK_B=bb,
                    MAX_VALUE=fmt.max_value, LOW_K=LOW_K,
                    **({} if interpret else {"num_warps": warps}))
     return out if fake else (out, scale)
@@ -283,9 +389,10 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, k: int
         kern = _kernel("dequantize")
         inf_code = fmt.max_code + 1 if fmt.has_inf else -1
         grid = (triton.cdiv(n_blocks, bb),)
-        kern[grid](codes, scale, out, n_blocks,
+        kern[grid](codes.view(torch.int8) if fmt.packed else _pairs(codes, torch.int16), scale,
+                   out.view(_PAIR[dtype]), n_blocks,
                    MBITS=fmt.mbits, EMIN=fmt.emin, MAX_CODE=fmt.max_code, INF_CODE=inf_code,
                    SIGN_SHIFT=fmt.bits - 1, PACK=fmt.packed, OUT_BF16=(dtype == torch.bfloat16),
-                   BLOCK_B=bb, SUB_UNIT=2.0 ** (fmt.emin - fmt.mbits), LOW_K=LOW_K,
+                   BLOCK_B=bb, LOW_K=LOW_K, HIGH_K=127 - fmt.emax,
                    **({} if interpret else {"num_warps": warps}))
     return out

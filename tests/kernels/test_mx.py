@@ -271,6 +271,10 @@ def test_triton_edge_cases_bit_exact(fmt, rule):
     # without the zero / subnormal blocks (rows 0-3): the fast float paths
     _check_triton(x[4:], fmt, rule)
     _check_triton(x[4:].to(torch.bfloat16), fmt, rule)
+    # no huge blocks either (rows 12, 13): dequantize takes its fast path too
+    fast = x[[r for r in range(4, x.shape[0]) if r not in (12, 13)]]
+    _check_triton(fast, fmt, rule)
+    _check_triton(fast.to(torch.bfloat16), fmt, rule)
     # ordinary data through the integer paths (one all-zero block in the same program)
     r = random_input((16, 64), torch.float32, 9)
     r[0] = 0.0
@@ -290,10 +294,14 @@ def test_triton_dequantize_any_bytes(fmt):
     if not f.packed:
         data[:, :2].copy_(torch.arange(256, dtype=torch.uint8).reshape(128, 2))
         data = data.view(f.torch_dtype)
-    for dt in DTYPES:
-        y_ref = R.dequantize(data, scale, f, dt)
-        y_tr = mx_dequantize(data.to(DEV), scale.to(DEV), fmt, dtype=dt, backend="triton")
-        assert _same_values(y_tr.cpu(), y_ref)
+    # every byte (slow integer path), then scales in [LOW_K, HIGH_K] plus NaN (fast path)
+    fast = torch.randint(127 - 109, 128 + 127 - f.emax, (128, 2), generator=g, dtype=torch.uint8)
+    fast[::7, 1] = 255
+    for s in (scale, fast):
+        for dt in DTYPES:
+            y_ref = R.dequantize(data, s, f, dt)
+            y_tr = mx_dequantize(data.to(DEV), s.to(DEV), fmt, dtype=dt, backend="triton")
+            assert _same_values(y_tr.cpu(), y_ref)
 
 
 @triton_cpu
@@ -307,6 +315,18 @@ def test_triton_empty_and_noncontiguous():
     _check_triton(xt.contiguous(), "e4m3", "floor")
     assert torch.equal(mx_fake_quantize(xt.to(DEV), "e4m3", backend="triton").cpu(),
                        R.fake_quantize(xt, "e4m3", "floor"))
+    # contiguous views that start off a pair-word boundary (the kernels read element pairs)
+    for dt in DTYPES:
+        odd = random_input((1, 128), dt, 6).reshape(-1)[1:97].reshape(3, 32)
+        assert odd.is_contiguous() and odd.storage_offset() == 1
+        _check_triton(odd, "e4m3", "rceil")
+        _check_triton(odd, "e2m1", "floor")
+    d, s = mx_quantize(random_input((3, 32), torch.float32, 8), "e5m2", backend="reference")
+    d_odd = torch.cat([torch.zeros(1, dtype=torch.uint8), d.view(torch.uint8).reshape(-1)])[1:]
+    d_odd = d_odd.reshape(3, 32).view(torch.float8_e5m2)
+    assert d_odd.storage_offset() == 1
+    assert _same_values(mx_dequantize(d_odd.to(DEV), s.to(DEV), "e5m2", backend="triton").cpu(),
+                        R.dequantize(d, s, "e5m2"))
 
 
 def test_triton_cpu_subprocess():
@@ -328,6 +348,10 @@ def test_gpu_bit_exact_large(fmt, rule, dtype):
     _check_triton(random_input((7, 3, 96), dtype, seed=12), fmt, rule)
     _check_triton(edge_input(fmt).to(dtype), fmt, rule)
     _check_triton(edge_input(fmt)[4:].to(dtype), fmt, rule)
+    _check_triton(edge_input(fmt)[[4, 5, 6, 7, 8, 9, 10, 11, 14, 15, 16, 17, 18]].to(dtype), fmt,
+                  rule)  # dequantize's fast path on edge rows
+    if rule == "rceil" and dtype == torch.float32:
+        test_triton_dequantize_any_bytes(fmt)
 
 
 @pytest.mark.gpu
