@@ -351,21 +351,23 @@ def profile(step) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / 2
     by_kind: dict[str, float] = {}
-    by_name: dict[str, float] = {}
+    by_name: dict[str, list] = {}  # name -> [ms per step, launches per step]
     for e in kernels:
         ms = e.time_range.elapsed_us() / 1e3 / 2
         by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + ms
-        by_name[e.name] = by_name.get(e.name, 0.0) + ms
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += ms
+        entry[1] += 0.5
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     print(f"profiled step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%}), "
           f"{len(kernels) // 2} kernels per step")
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<18} {ms:8.2f} ms {ms / busy_ms:6.1%}")
-    print("top kernels (ms per step):")
-    for name, ms in top:
-        print(f"  {ms:8.2f}  {name[:110]}")
+    print("top kernels (ms and launches per step):")
+    for name, (ms, launches) in top[:30]:
+        print(f"  {ms:8.2f} {launches:6.0f}x  {name[:110]}")
     return {"wall_ms": wall_ms, "gpu_busy_ms": busy_ms, "kernels_per_step": len(kernels) // 2,
-            "by_kind_ms": by_kind, "top_kernels_ms": dict(top)}
+            "by_kind_ms": by_kind, "kernels_ms_launches": dict(top)}
 
 
 if __name__ == "__main__":
