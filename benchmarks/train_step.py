@@ -28,7 +28,11 @@ figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s
 the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). ``--recompute`` applies an
 activation recompute policy (``train.recompute``, k3train/training/recompute.py); compare the peak
 memory (``torch.cuda.max_memory_allocated`` over the timed steps) and step time across policies.
-Writes JSON: ``{"rows": [one per variant, with "kda" and "optim"], "ours_over_fla": {...} or null}``.
+``--compile`` (GPU only) then compiles each decoder layer of the same model in place as ``train.compile``
+does (``k3train.training.compile``) and times it again with the same batch and optimizer: a second row
+per KDA variant (``"compile": true``) with the first (compiling) step's time, the compile time (that
+step minus an eager step), and the number of compiled graphs and graph breaks.
+Writes JSON: ``{"rows": [one per variant, with "kda", "optim" and "compile"], "ours_over_fla": {...} or null}``.
 
 Without CUDA the step runs on CPU in fp32 (the trainer's ``precision: auto`` there; our kernels' torch
 references), with host-clock phase times and no MFU: a smoke run, not a measurement.
@@ -160,13 +164,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "and CUDA is there, else ours)")
     ap.add_argument("--optim", choices=("adamw", "muon"), default=None,
                     help="optimizer, as conf/optim/<name>.yaml (default: conf/config.yaml's, the trainer's)")
-    ap.add_argument("--profile", action="store_true", help="also profile two steps (kernels by kind and time)")
+    ap.add_argument("--compile", action="store_true",
+                    help="then compile each layer as train.compile does and time the same model again (GPU only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile two steps (kernels by kind and time), of the last variant timed")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.params = args.params or ("bf16" if device.type == "cuda" else "fp32")
     if device.type == "cpu" and args.params == "bf16":
         sys.exit("train_step: --params bf16 needs bf16 autocast, i.e. a GPU (on CPU the step runs in fp32)")
+    if device.type == "cpu" and args.compile:
+        sys.exit("train_step: --compile needs a GPU (train.compile needs bf16 activations; on CPU the step runs "
+                 "in fp32)")
     args.optim = args.optim or default_optim()
     variants = kda_variants(args.kda)
     cfg, ocfg = model_config(args.model), optim_config(args.optim)
@@ -174,10 +184,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    print(f"{'model':>12} {'B×T':>10} {'kda':>4} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
+    print(f"{'model':>12} {'B×T':>10} {'kda':>6} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    rows = [run_variant(kda, args, cfg, ocfg, x, y, device) for kda in variants]
-    by = {r["kda"]: r for r in rows}
+    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, x, y, device)]
+    by = {r["kda"]: r for r in rows if not r["compile"]}
     ratio = None
     if "ours" in by and "fla" in by:
         ours, fla = by["ours"], by["fla"]
@@ -193,8 +203,9 @@ def _fmt(v, spec: str, width: int) -> str:
 
 
 def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Tensor, y: torch.Tensor,
-                device: torch.device) -> dict:
-    """Build the model (seed 0) with the ``kda`` kernel, time ``args.steps`` steps, print its line; its row."""
+                device: torch.device) -> list[dict]:
+    """Build the model (seed 0) with the ``kda`` kernel, time ``args.steps`` steps, print its line; with
+    ``args.compile`` then compile its layers and time it again. Its rows (eager, then compiled)."""
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = K3Model(cfg).to(device)
@@ -243,48 +254,76 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
     def elapsed_ms(a, b) -> float:
         return a.elapsed_time(b) if cuda else (b - a) * 1e3
 
-    first = None
-    for _ in range(args.warmup):
-        loss = step()
-        first = loss if first is None else first
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    ticks.clear()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-        first = loss if first is None else first
-    if cuda:
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
-    phase_ms = {name: sum(elapsed_ms(t[i], t[i + 1]) for t in ticks) / len(ticks) for i, name in enumerate(PHASES)}
-    qb_ms = phase_ms["qb"]
-    tok = args.batch * args.seq
-    tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
-    dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
-    row = {"model": args.model, "kda": kda, "optim": args.optim, "batch": args.batch, "seq": args.seq,
-           "dtype": dtype, "recompute": args.recompute,
-           "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3, "tokens_per_s": tok / dt,
-           "model_tflops": tflops, "mfu_datasheet": tflops / DATASHEET_TFLOPS if cuda else None,
-           "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS if cuda else None,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-           "first_loss": float(first), "loss": float(loss),
-           "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
-    print(f"{args.model:>12} {args.batch}×{args.seq:<7} {kda:>4} {args.optim:>5} {args.recompute:>9} "
-          f"{row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {tflops:>8.1f} {_fmt(row['mfu_datasheet'], '.1%', 9)} "
-          f"{_fmt(row['mfu_measured_gemm'], '.1%', 9)} {_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} "
-          f"{row['qb_share']:>5.1%}")
-    clock = "GPU time between events" if cuda else "host time"
-    print(f"  {kda}: {args.params} params, {args.optim}; loss {row['first_loss']:.4f} at the first step; "
-          f"phases ({clock}, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()), flush=True)
+    def measure(compiled: bool) -> dict:
+        """``args.warmup`` steps (the first one timed on its own: it compiles), ``args.steps`` timed; its row."""
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        first = loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        first_step_s = time.perf_counter() - t0
+        for _ in range(args.warmup - 1):
+            loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ticks.clear()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / args.steps
+        phase_ms = {name: sum(elapsed_ms(t[i], t[i + 1]) for t in ticks) / len(ticks)
+                    for i, name in enumerate(PHASES)}
+        qb_ms = phase_ms["qb"]
+        tok = args.batch * args.seq
+        tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
+        dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
+        row = {"model": args.model, "kda": kda, "optim": args.optim, "compile": compiled, "batch": args.batch,
+               "seq": args.seq, "dtype": dtype, "recompute": args.recompute,
+               "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
+               "tokens_per_s": tok / dt, "model_tflops": tflops,
+               "mfu_datasheet": tflops / DATASHEET_TFLOPS if cuda else None,
+               "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS if cuda else None,
+               "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               "first_loss": float(first), "loss": float(loss), "first_step_s": first_step_s,
+               "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
+        name = f"{kda}+c" if compiled else kda
+        print(f"{args.model:>12} {args.batch}×{args.seq:<7} {name:>6} {args.optim:>5} {args.recompute:>9} "
+              f"{row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {tflops:>8.1f} "
+              f"{_fmt(row['mfu_datasheet'], '.1%', 9)} {_fmt(row['mfu_measured_gemm'], '.1%', 9)} "
+              f"{_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
+        clock = "GPU time between events" if cuda else "host time"
+        print(f"  {name}: {args.params} params, {args.optim}; loss {row['first_loss']:.4f} at the first step; "
+              f"phases ({clock}, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()), flush=True)
+        return row
+
+    rows = [measure(compiled=False)]
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        from k3train.training.compile import compile_layers
+
+        torch._dynamo.reset()  # a variant before this one compiled its own model: count this one's graphs only
+        counters.clear()
+        compile_layers(model)
+        c = measure(compiled=True)
+        c["compile_s"] = c["first_step_s"] - rows[0]["step_ms"] / 1e3  # the first step's excess
+        c["graphs"] = counters["stats"]["unique_graphs"]
+        c["graph_breaks"] = sum(counters["graph_break"].values())
+        print(f"  compiled: {c['graphs']} layer graphs, {c['graph_breaks']} graph breaks, compile ≈ "
+              f"{c['compile_s']:.0f} s (first step minus an eager step); step "
+              f"{rows[0]['step_ms'] / c['step_ms']:.2f}x eager", flush=True)
+        rows.append(c)
     if args.profile and cuda:
-        row["profile"] = profile(step)
+        rows[-1]["profile"] = profile(step)
     del model, main, grads, opt, moe, step
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 KINDS = (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "grouped_mm", "matmul")), ("kda", ("kda", "chunk_")),

@@ -1,4 +1,5 @@
-"""Backend choice shared by the elementwise/permute kernel folders (``situ``, ``moe_permute``)."""
+"""Backend choice shared by the kernel folders (``use_triton``), and the eager/compiled call split of
+their Triton paths (``eager_or_compiled``)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,21 @@ def use_triton(x: torch.Tensor, backend: str, op: str) -> bool:
     if use and x.dtype not in TRITON_DTYPES:
         raise ValueError(f"the Triton {op} kernels take {TRITON_DTYPES}, got {x.dtype}")
     return use
+
+
+def eager_or_compiled(eager, compiled):
+    """One entry point over two implementations of a kernel call that take the same arguments:
+    ``eager`` (the ``torch.autograd.Function``'s ``apply``, a direct Triton launch) outside
+    ``torch.compile``, ``compiled`` (the ``torch.library`` custom op with fake shapes, which
+    inductor keeps inside its graphs) while dynamo traces. Custom-op dispatch costs tens of µs a
+    call in eager mode; a run that does not compile never pays it. The choice is made at trace
+    time (``torch.compiler.is_compiling`` is a constant to dynamo), so a compiled graph holds the
+    op and no check."""
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return compiled(*args)
+        return eager(*args)
+
+    call.eager, call.compiled = eager, compiled
+    return call

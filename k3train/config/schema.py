@@ -194,6 +194,10 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     # [first, last] steps (1-based, inclusive) to trace with torch.profiler into <out_dir>/profile; [] = off.
     profile_steps: list[int] = field(default_factory=list)
+    # torch.compile each decoder layer (k3train/training/compile.py): fuses the elementwise glue around the
+    # GEMMs and kernels. Needs bf16 activations, data parallelism only (parallel.tensor = pipeline = context =
+    # expert = 1), plain bf16 GEMMs and torch linears (precision.linear_backend=auto resolves to torch).
+    compile: bool = False
     # Activation recompute (docs/operating.md): "none", "attn_res" (the AttnRes sites), "kda" (those and the
     # KDA mixers) or "full" (whole decoder layers); each trades a second forward of those parts for memory.
     recompute: str = "none"

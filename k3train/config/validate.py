@@ -197,6 +197,28 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(pr.recipe in PRECISION_RECIPES,
           f"precision.recipe={pr.recipe!r}: use one of {', '.join(PRECISION_RECIPES)} "
           f"(or pick a preset: precision=bf16|mxfp8|fp8_block)")
+    if t.compile:
+        for name in ("tensor", "pipeline", "context", "expert"):
+            _need(getattr(p, name) == 1,
+                  f"parallel.{name}={getattr(p, name)}: train.compile=true is built and tested with parallel.tensor, "
+                  f"pipeline, context and expert at 1 (data parallelism only: TP, CP and EP put collectives and "
+                  f"host-planned exchanges inside the layers); set train.compile=false")
+        _need(pr.linear_backend in ("auto", "torch"),
+              f"precision.linear_backend={pr.linear_backend}: train.compile=true builds torch linears (auto resolves "
+              f"to torch; Megatron-Core's linears warn on every call, a graph break each, and at parallel.tensor=1 "
+              f"they run the same GEMMs); set precision.linear_backend=auto or train.compile=false")
+        _need(pr.recipe == "bf16" and not pr.expert_qat,
+              f"precision.recipe={pr.recipe}, precision.expert_qat={pr.expert_qat}: train.compile=true is built and "
+              f"tested with the plain bf16 GEMMs (precision.recipe=bf16, precision.expert_qat=false); set those or "
+              f"train.compile=false")
+        _need(t.recompute == "none",
+              f"train.recompute={t.recompute}: train.compile=true is not built or tested with activation recompute "
+              f"(a recomputed module's replay flag is a Python global the compiled graphs would guard on); set "
+              f"train.recompute=none or train.compile=false")
+        compute, _ = precision_dtypes(pr, _device_type(t.device))
+        _need(compute == "bf16", f"precision.dtype={pr.dtype} with train.device={t.device} runs fp32 activations, "
+                                 f"and torch.compile traces the routed experts' grouped GEMM (torch._grouped_mm) in "
+                                 f"bf16 only; set precision.dtype=bf16 or train.compile=false")
     _need(not (pr.recipe == "fp8_block" and t.device == "cpu"),
           "precision.recipe=fp8_block runs on the GPU only (torch._scaled_mm with block scales); on CPU use "
           "precision.recipe=mxfp8 or bf16")

@@ -46,6 +46,9 @@ class Documents:
         offsets = flat.nonzero().flatten().to(torch.int32)
         total = torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)
         cu_seqlens = torch.cat([offsets, total])
+        # The document count varies from batch to batch: compiled layers (train.compile) take it as a
+        # symbolic size instead of recompiling for each count.
+        torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
         one_per_row = bool(cu_seqlens.numel() - 1 == position_ids.shape[0])
         return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=one_per_row)
 

@@ -6,31 +6,37 @@
                  routed copies under expert parallelism: what the EP balance figure compares)
 
 The trainer pools ``tokens`` (sum) and ``worst`` (max) over data-parallel ranks and reports
-max/mean of the pooled tokens per layer. Nothing here waits on the host.
+max/mean of the pooled tokens per layer. Nothing here waits on the host. ``tokens`` and ``worst``
+are non-persistent buffers (they move with the model and stay out of checkpoints), added to in
+place and zeroed by ``reset``, so that a compiled forward finds the same Python state every
+micro-batch. ``computed`` is a Python int (the rows are a shape), counted eagerly only: it is read
+under expert parallelism only, which ``train.compile`` excludes, and an int attribute written
+inside a compiled graph would be guarded on (a recompile per micro-batch).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
-class ExpertLoad:
-    def __init__(self):
-        self.tokens: torch.Tensor | None = None  # [E] fp32
-        self.worst: torch.Tensor | None = None  # [] fp32
-        self.computed = 0
+class ExpertLoad(nn.Module):
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.register_buffer("tokens", torch.zeros(num_experts), persistent=False)  # [E] fp32
+        self.register_buffer("worst", torch.zeros(()), persistent=False)  # [] fp32
+        self.computed = 0  # rows
 
     @torch.no_grad()
-    def add(self, tokens_per_expert: torch.Tensor) -> None:
-        """Count one micro-batch's routed token copies [E]."""
+    def add(self, tokens_per_expert: torch.Tensor, rows: int) -> None:
+        """Count one micro-batch's routed token copies [E] and the ``rows`` its expert GEMMs ran."""
         counts = tokens_per_expert.float()
-        ratio = counts.max() / counts.mean().clamp(min=1e-9)
-        if self.tokens is None:
-            self.tokens, self.worst = counts.clone(), ratio
-        else:
-            self.tokens += counts
-            self.worst = torch.maximum(self.worst, ratio)
+        self.tokens += counts
+        torch.maximum(self.worst, counts.max() / counts.mean().clamp(min=1e-9), out=self.worst)
+        if not torch.compiler.is_compiling():
+            self.computed += rows
 
     def reset(self) -> None:
-        self.tokens = self.worst = None
+        self.tokens.zero_()
+        self.worst.zero_()
         self.computed = 0

@@ -106,12 +106,15 @@ class KimiDeltaAttention(nn.Module):
         if shard is not None:
             o = kda_context_parallel(q, k, v, f, b, A_log, dt_bias, docs.pieces, shard, lower_bound=self.lower_bound)
         else:
-            # Pack the batch into one row so the kernel resets its state at every document start.
+            # One document per row: the rows as they are. Else the batch packed into one row, so that
+            # the kernel resets its state at every document start.
+            rows, cu_seqlens = (B, None) if docs.one_per_row else (1, docs.cu_seqlens)
+
             def flat(t: torch.Tensor) -> torch.Tensor:
-                return t.reshape(1, B * T, *t.shape[2:]).contiguous()
+                return t.reshape(rows, B * T // rows, *t.shape[2:]).contiguous()
 
             o, _ = self.kernel(flat(q), flat(k), flat(v), flat(f), flat(b), A_log, dt_bias,
-                               lower_bound=self.lower_bound, cu_seqlens=docs.cu_seqlens, use_qk_l2norm=True)
+                               lower_bound=self.lower_bound, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
             o = o.view(B, T, H, h)
         o = rms_norm(o, self.tp.copy_to_tp(self.o_norm), self.eps)
         gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, h)

@@ -151,20 +151,25 @@ class LatentMoE(nn.Module):
                                          cfg.qb_bins, cfg.qb_ema)
         self.qb_rescore_stride = cfg.qb_rescore_stride
         self.router_inputs: list[torch.Tensor] = []  # [tokens, d] per micro-batch, detached
-        self.load = ExpertLoad()
+        self.load = ExpertLoad(cfg.num_experts)
+
+    @torch.compiler.disable
+    def _keep_router_inputs(self, x: torch.Tensor) -> None:
+        """Keep every s-th position's router input for re-scoring (a list that grows each
+        micro-batch: run eagerly, a graph break under torch.compile when re-scoring is on)."""
+        self.router_inputs.append(x[:, ::self.qb_rescore_stride].reshape(-1, x.shape[-1]).detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         observe = self.training and not replaying()  # once per micro-batch, not again in a recompute
         if observe and self.qb_rescore_stride:
-            self.router_inputs.append(x[:, ::self.qb_rescore_stride].reshape(-1, shape[-1]).detach())
+            self._keep_router_inputs(x)
         x = x.reshape(-1, shape[-1])
         routing = self.gate(x)
         z = self.tp.copy_to_tp(self.routed_expert_down_proj(x))
         grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts)
         if observe:
-            self.load.add(handle.tokens_per_expert)
-            self.load.computed += grouped.shape[0]
+            self.load.add(handle.tokens_per_expert, grouped.shape[0])
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
         y = self.experts(grouped, tokens_per_expert, *self.dispatcher.expert_stacks(self.experts, handle))
         u = self.dispatcher.combine(y, self.tp.copy_to_tp(routing.weights), handle)

@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def target_load(num_tokens, top_k: int, num_experts: int):
@@ -51,44 +52,60 @@ def histogram_bias(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, 
     return b - b.mean()
 
 
-class QuantileBalancer:
-    """Per-layer QB state. ``observe`` routing stats each micro-batch; ``update`` once per step."""
+class QuantileBalancer(nn.Module):
+    """Per-layer QB state. ``observe`` routing stats each micro-batch; ``update`` once per step.
+
+    The histogram spans [b_min − 1, b_max + 1] of the bias the micro-batches were routed with (it
+    changes only in ``update``). Its counts are a non-persistent buffer (moved with the model, not
+    checkpointed) that ``observe`` adds into, so a compiled forward finds the same Python state
+    every micro-batch; the exact estimator's growing list is kept eagerly (a graph break under
+    torch.compile, for tests and tiny runs)."""
 
     def __init__(self, num_experts: int, top_k: int, estimator: str = "histogram", bins: int = 1000,
                  ema: float = 0.0):
+        super().__init__()
         if estimator not in ("histogram", "exact"):
             raise ValueError(f"model.qb_estimator={estimator!r}: use 'histogram' or 'exact'")
         self.num_experts, self.top_k = num_experts, top_k
         self.estimator, self.bins, self.ema = estimator, bins, ema
+        self.register_buffer("counts", torch.zeros(num_experts, bins if estimator == "histogram" else 0,
+                                                   dtype=torch.int64), persistent=False)
         self._r: list[torch.Tensor] = []
-        self._counts: torch.Tensor | None = None
-        self._tokens = 0
-        self._lo: torch.Tensor | None = None
-        self._width: torch.Tensor | None = None
+        self._edges: tuple[torch.Tensor, torch.Tensor] | None = None  # the grid, computed once a step (eager)
+        self.observed = False  # anything since the last update (written, never read, in the forward)
 
-    def _begin(self, bias: torch.Tensor) -> None:
+    def _grid(self, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lower edge, bin width) of the histogram for routing bias ``bias``, on its device. Eagerly
+        computed at the step's first ``observe`` and kept until ``reset``; inside a compiled graph
+        computed each micro-batch (a tensor kept on the module would be state the graph guards on)."""
+        if not torch.compiler.is_compiling() and self._edges is not None:
+            return self._edges
         b_min, b_max = bias.min().float(), bias.max().float()
-        self._lo = b_min - 1.0
-        self._width = (b_max - b_min + 2.0) / self.bins
-        self._counts = torch.zeros(self.num_experts, self.bins, dtype=torch.int64, device=bias.device)
+        edges = (b_min - 1.0, (b_max - b_min + 2.0) / self.bins)
+        if not torch.compiler.is_compiling():
+            self._edges = edges
+        return edges
+
+    @torch.compiler.disable
+    def _keep(self, r: torch.Tensor) -> None:
+        self._r.append(r)
 
     @torch.no_grad()
     def observe(self, scores: torch.Tensor, cutoff: torch.Tensor, bias: torch.Tensor) -> None:
         """scores [N, n] raw sigmoid, cutoff [N]: accumulate r = α − s of this micro-batch."""
         r = cutoff.unsqueeze(1) - scores
-        self._tokens += r.shape[0]
+        self.observed = True
         if self.estimator == "exact":
-            self._r.append(r)
+            self._keep(r)
             return
-        if self._counts is None:
-            self._begin(bias)
-        idx = ((r - self._lo) / self._width).floor().long().clamp_(0, self.bins - 1)  # [N, n]
-        self._counts.scatter_add_(1, idx.t(), torch.ones_like(idx.t()))
+        lo, width = self._grid(bias)
+        idx = ((r - lo) / width).floor().long().clamp_(0, self.bins - 1)  # [N, n]
+        self.counts.scatter_add_(1, idx.t(), torch.ones_like(idx.t()))
 
     @torch.no_grad()
     def update(self, bias: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
         """Compute the new bias from this step's stats (pooled over ``group``) and write it in place."""
-        if self._tokens == 0:
+        if not self.observed:
             return
         if self.estimator == "exact":
             r = torch.cat(self._r)
@@ -98,12 +115,12 @@ class QuantileBalancer:
                 r = torch.cat(parts)
             new = exact_bias(r, self.top_k)
         else:
-            counts = self._counts
+            counts = self.counts
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(counts, group=group)
             tokens = counts[0].sum()  # every token lands in one bin of every expert's row
             q = target_load(tokens, self.top_k, self.num_experts)
-            new = histogram_bias(counts, self._lo, self._width, q)
+            new = histogram_bias(counts, *self._grid(bias), q)
         if self.ema > 0:
             new = self.ema * bias + (1.0 - self.ema) * new
             new = new - new.mean()
@@ -111,4 +128,7 @@ class QuantileBalancer:
         self.reset()
 
     def reset(self) -> None:
-        self._r, self._counts, self._tokens = [], None, 0
+        self._r = []
+        self._edges = None
+        self.counts.zero_()
+        self.observed = False

@@ -62,7 +62,8 @@ class LocalTokenDispatcher:
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         inverse = inverse_permutation(order)
-        tokens_per_expert = torch.bincount(flat, minlength=self.num_experts)
+        # tokens per expert [E]: a bincount whose length does not depend on the ids (traceable by torch.compile)
+        tokens_per_expert = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         k = experts.shape[1]
         handle = DispatchHandle(order, inverse, k, tokens_per_expert)
         return dispatch_rows(z, order, inverse, k), tokens_per_expert, handle

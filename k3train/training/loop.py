@@ -94,8 +94,9 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(t.seed)  # same on every rank: the full weights are drawn identically
 
-        self.model = K3Model(cfg.model, self.groups, cfg.precision.linear_backend,
-                             cfg.parallel.ep_dispatcher, cfg.precision.recipe)
+        # train.compile takes torch linears (Megatron-Core's break compiled graphs; the same GEMMs at TP=1)
+        linear_backend = "torch" if t.compile else cfg.precision.linear_backend
+        self.model = K3Model(cfg.model, self.groups, linear_backend, cfg.parallel.ep_dispatcher, cfg.precision.recipe)
         p = cfg.parallel
         if p.pipeline > 1:  # keep this stage's part (parameter names stay global)
             self.chunks = build_chunks(cfg.model.num_layers, p.pipeline, p.virtual_stages, list(p.pipeline_layout))
@@ -112,6 +113,10 @@ class Trainer:
         apply_recompute(self.model, t.recompute)  # after the stage split and QAT (k3train/training/recompute.py)
         self.main = MainParams(self.model, torch.bfloat16 if params_dtype == "bf16" else torch.float32, rounding)
         self.grads = GradBuffers(self.model, self.groups)
+        if t.compile:
+            from k3train.training.compile import compile_layers
+
+            compile_layers(self.model)
         self.moe_layer_ids = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]  # all stages'
         self.local_moe_rows = [r for r, i in enumerate(self.moe_layer_ids)
                                if not isinstance(self.model.layers[i], OnAnotherStage)]

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.standard import _sum_combine
+
+from ..backend import eager_or_compiled
 
 # Reductions call tl.reduce / tl.associative_scan with the stock sum combiner directly
 # rather than tl.sum / tl.cumsum: identical code on the GPU, and under TRITON_INTERPRET
@@ -416,8 +419,8 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
             tv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
             bdo = tl.load(do + tv, mask=rv[:, None] & vm[None, :], other=0.).to(DT)
             wo = wbase + r[:, None] * V + cv[None, :]
-            WD = tl.load(wscr + wo, mask=vm[None, :], other=0.)
-            dR = tl.load(wscr + C * V + wo, mask=vm[None, :], other=0.)
+            WD = tl.load(wscr + wo, mask=vm[None, :], other=0.).to(DT)  # (bf16 scratch: DT is fp32 under
+            dR = tl.load(wscr + C * V + wo, mask=vm[None, :], other=0.).to(DT)  # the interpreter)
             bdQd += tl.dot(bdo, tl.trans(S0))
             bdKd -= tl.dot(dR, tl.trans(S0))
             bdKe += tl.dot(WD, tl.trans(dSC))
@@ -471,11 +474,26 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
 # --------------------------------------------------------------------------------------
 
 
-def _chunk_tables(cu: torch.Tensor, C: int, seq_len=None):
-    """cu: int64 [N+1] on device.  Returns chunk_seq, chunk_bos (int32 [NC]), chunk_off
-    (int32 [N+1]) and NC.  With equal lengths (seq_len given) no host sync is needed."""
+def chunk_capacity(T: int, N: int, seq_len: int | None) -> int:
+    """Rows of the per-chunk buffers: the exact chunk count N·⌈seq_len/C⌉ for N sequences of equal
+    length, else an upper bound of Σ_n ⌈len_n/C⌉ over N packed documents of T tokens in all
+    (⌈l/C⌉ ≤ (l + C − 1)/C sums to at most T//C + N). Known from shapes alone, so the host never
+    reads the document lengths (no sync) and ``torch.compile`` sees static buffer shapes."""
     if seq_len is not None:
-        N = cu.numel() - 1
+        return N * ((seq_len + CHUNK - 1) // CHUNK)
+    return T // CHUNK + N
+
+
+def _chunk_tables(cu: torch.Tensor, C: int, seq_len=None, rows: int | None = None):
+    """cu: int64 [N+1] on device.  Returns chunk_seq, chunk_bos (int32 [NC]), chunk_off
+    (int32 [N+1]) and NC.  With equal lengths (seq_len given) no host sync is needed.  Packed
+    documents: NC is the exact chunk count, read back to the host (one sync; the eager path), or
+    ``rows``, ``chunk_capacity``'s bound known from shapes (no sync; the custom op that
+    ``torch.compile`` traces): the documents fill the first Σ_n ⌈len_n/C⌉ slots, the rest are
+    empty chunks (chunk_bos at or past the end of the last document), which the per-chunk kernels
+    mask out token by token."""
+    N = cu.numel() - 1
+    if seq_len is not None:
         nt = (seq_len + C - 1) // C
         idx = torch.arange(N * nt, device=cu.device, dtype=torch.int32)
         seq = idx // nt
@@ -483,15 +501,21 @@ def _chunk_tables(cu: torch.Tensor, C: int, seq_len=None):
         off = torch.arange(N + 1, device=cu.device, dtype=torch.int32) * nt
         return seq, bos, off, N * nt
     lens = cu[1:] - cu[:-1]
-    nch = (lens + C - 1) // C
-    off = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
-    off[1:] = torch.cumsum(nch, 0)
-    NC = int(off[-1].item())
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), nch,
-                                  output_size=NC)
-    idx = torch.arange(NC, device=cu.device) - off[seq]
-    bos = cu[seq] + idx * C
-    return seq.to(torch.int32), bos.to(torch.int32), off.to(torch.int32), NC
+    if rows is None:
+        nch = (lens + C - 1) // C
+        off = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
+        off[1:] = torch.cumsum(nch, 0)
+        NC = int(off[-1].item())
+        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), nch,
+                                      output_size=NC)
+        idx = torch.arange(NC, device=cu.device) - off[seq]
+        bos = cu[seq] + idx * C
+        return seq.to(torch.int32), bos.to(torch.int32), off.to(torch.int32), NC
+    off = torch.cat([cu.new_zeros(1), torch.cumsum((lens + C - 1) // C, 0)])
+    idx = torch.arange(rows, device=cu.device)
+    seq = torch.searchsorted(off[1:], idx, right=True).clamp_(max=N - 1)
+    bos = cu[seq] + (idx - off[seq]) * C
+    return seq.to(torch.int32), bos.to(torch.int32), off.to(torch.int32), rows
 
 
 def _dot_dtype(x: torch.Tensor):
@@ -523,27 +547,21 @@ def _scan_launch(N, H, V, dev):
 
 
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2,
-            output_final_state, seq_len=None):
+            output_final_state, seq_len=None, padded=False):
+    """``padded``: size the per-chunk buffers by ``chunk_capacity`` (no host sync, shapes known to
+    torch.compile) instead of the exact chunk count of packed documents."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
     BK = max(16, triton.next_power_of_2(K))
     BV = _pick(V, "bwd_bv")
     dev = q.device
-    seq, bos, off, NC = _chunk_tables(cu, C, seq_len)
     N = cu.numel() - 1
+    rows = chunk_capacity(B * T, N, seq_len) if padded else None
+    seq, bos, off, NC = _chunk_tables(cu, C, seq_len, rows)
     SBV, s_warps, s_stages = _scan_launch(N, H, V, dev)
-    st = _store_dtype(q)
     DT = _dot_dtype(q)
-    Wk = torch.empty(NC, H, C, BK, device=dev, dtype=st)
-    Qd = torch.empty_like(Wk)
-    Ke = torch.empty_like(Wk)
-    U = torch.empty(NC, H, C, V, device=dev, dtype=st)
-    M = torch.empty(NC, H, C, C, device=dev, dtype=st)
-    X = torch.empty(NC, H, C, C, device=dev, dtype=torch.float32)
-    Kd = torch.empty_like(Wk)
-    GS = torch.empty(NC, H, 3, BK, device=dev, dtype=torch.float32)  # e^{G_C}, G_ref, G_C
-    RS = torch.empty(NC, H, 3, C, device=dev, dtype=torch.float32)   # 1/|q|, 1/|k|, beta
+    Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs = _chunk_buffers(q, v, NC)
     cu32 = cu.to(torch.int32)
     kda_prep_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
                              Wk, U, Qd, Ke, Kd, M, X, GS, RS, float(lower_bound),
@@ -551,7 +569,6 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
                              H=H, K=K, V=V, C=C, BK=BK, BV=BV, USE_L2=use_l2, DT=DT,
                              INV_PREC=CONFIG["prep_inv_prec"], num_warps=CONFIG["prep_warps"])
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
-    hs = torch.empty(NC, H, BK, V, device=dev, dtype=st)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     kda_fwd_kernel[(N, H, triton.cdiv(V, SBV))](
         Wk, U, Qd, Ke, M, GS, h0 if h0 is not None else o, o, hs, ht if ht is not None else o,
@@ -561,8 +578,25 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     return o, ht, saved
 
 
+def _chunk_buffers(q: torch.Tensor, v: torch.Tensor, NC: int) -> tuple[torch.Tensor, ...]:
+    """The per-chunk buffers prep and the forward scan fill for the backward, NC rows each:
+    Wk, U, q~ (Qd), ke, k e^G (Kd), M, X = (I + A)^-1, GS = (e^{G_C}, G_ref, G_C) and
+    RS = (1/|q|, 1/|k|, beta) per row, and the state h entering each chunk."""
+    _, _, H, K = q.shape
+    V, C, BK = v.shape[-1], CHUNK, max(16, triton.next_power_of_2(K))
+    st, f32 = _store_dtype(q), torch.float32
+
+    def new(*shape, dtype=st):
+        return torch.empty(shape, device=q.device, dtype=dtype)
+
+    return (new(NC, H, C, BK), new(NC, H, C, V), new(NC, H, C, BK), new(NC, H, C, BK), new(NC, H, C, BK),
+            new(NC, H, C, C), new(NC, H, C, C, dtype=f32), new(NC, H, 3, BK, dtype=f32),
+            new(NC, H, 3, C, dtype=f32), new(NC, H, BK, V))
+
+
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved,
-            do, dht):
+            do, dht, padded=False):
+    """``padded``: the forward ran with ``padded`` (chunk slots past the last document are empty)."""
     Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs, seq, bos, off, cu32 = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -610,6 +644,10 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, BKL=BKL, USE_L2=use_l2,
                             DT=DT, GP=GP, GPREC=GPREC, INV_PREC=CONFIG["bwd_inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
+    if padded:  # chunk slots past the last document are empty: their partial sums are not written
+        real = (torch.arange(NC, device=dev) < off[-1])[:, None]
+        dA_part = torch.where(real, dA_part, 0.0)
+        ddt_part = torch.where(real[:, :, None], ddt_part, 0.0)
     dA_log = dA_part.sum(0)
     ddt = ddt_part.sum(0)[:, :K].reshape(H * K)
     return dq, dk, dv, dg, db, dA_log, ddt, dh0
@@ -634,11 +672,86 @@ class KDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, db, dA_log, ddt, dh0, None, None, None, None, None, None
 
 
+# Under torch.compile: the same kernels as custom ops, with chunk buffers sized from shapes (padded).
+@torch.library.custom_op("k3::kda", mutates_args=())
+def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+         A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor], cu: torch.Tensor,
+         lower_bound: float, scale: float, use_l2: bool, output_final_state: bool, seq_len: Optional[int]
+         ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The Triton forward: (o, the final state or an empty tensor, the buffers for backward)."""
+    o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, cu, use_l2,
+                           output_final_state, seq_len, padded=True)
+    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32), list(saved)
+
+
+@_kda.register_fake
+def _kda_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, scale, use_l2, output_final_state,
+              seq_len):
+    B, T, H, K = q.shape
+    V, N = v.shape[-1], cu.shape[0] - 1
+    NC = chunk_capacity(B * T, N, seq_len)
+    ht = q.new_empty((N, H, K, V) if output_final_state else (0,), dtype=torch.float32)
+    i32 = torch.int32
+    tables = [q.new_empty(NC, dtype=i32), q.new_empty(NC, dtype=i32), q.new_empty(N + 1, dtype=i32),
+              q.new_empty(N + 1, dtype=i32)]  # chunk_seq, chunk_bos, chunk_off, cu
+    return v.new_empty(B, T, H, V), ht, [*_chunk_buffers(q, v, NC), *tables]
+
+
+@torch.library.custom_op("k3::kda_backward", mutates_args=())
+def _kda_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, saved: list[torch.Tensor], do: torch.Tensor,
+                  dht: Optional[torch.Tensor], lower_bound: float, scale: float, has_h0: bool, use_l2: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, torch.Tensor]:
+    """Gradients of q, k, v, g, beta, A_log, dt_bias and the initial state (empty without one)."""
+    *grads, dh0 = kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht,
+                          padded=True)
+    return *grads, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
+
+
+@_kda_backward.register_fake
+def _kda_backward_fake(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, lower_bound, scale, has_h0, use_l2):
+    N, (_, _, H, K), V = saved[-1].shape[0] - 1, q.shape, v.shape[-1]
+    dh0 = q.new_empty((N, H, K, V) if has_h0 else (0,), dtype=torch.float32)
+    return (*(torch.empty_like(t) for t in (q, k, v, g, beta)), A_log.new_empty(H), dt_bias.new_empty(H * K), dh0)
+
+
+def _kda_setup(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, _, lower_bound, scale, use_l2, *_ = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *output[2])
+    ctx.meta = (lower_bound, scale, initial_state is not None, use_l2)
+
+
+def _kda_grad(ctx, do, dht, _saved_grads):
+    q, k, v, g, beta, A_log, dt_bias, *saved = ctx.saved_tensors
+    lower_bound, scale, has_h0, use_l2 = ctx.meta
+    dht = dht if dht is not None and dht.numel() else None
+    *grads, dh0 = _kda_backward(q, k, v, g, beta, A_log, dt_bias, saved, do.contiguous(), dht, lower_bound,
+                                scale, has_h0, use_l2)
+    return *grads, dh0 if has_h0 else None, None, None, None, None, None, None
+
+
+_kda.register_autograd(_kda_grad, setup_context=_kda_setup)
+
+
+def _kda_compiled(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, scale, use_l2,
+                  output_final_state, seq_len):
+    o, ht, _ = _kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, scale, use_l2,
+                    output_final_state, seq_len)
+    return o, ht if output_final_state else None
+
+
+_kda_call = eager_or_compiled(KDAFunction.apply, _kda_compiled)
+
+
 def kda_triton(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None,
                initial_state=None, output_final_state=False, cu_seqlens=None,
                use_qk_l2norm=True, validate=True):
     """Triton KDA (same contract as kernels.kda.kda).  Works on CUDA tensors, and on CPU
-    tensors under TRITON_INTERPRET=1 (tests)."""
+    tensors under TRITON_INTERPRET=1 (tests).  Eagerly ``KDAFunction`` (packed documents: one
+    host sync for the exact chunk count); under ``torch.compile`` one ``torch.library`` custom op
+    (``k3::kda``, its backward ``k3::kda_backward``) with fake shapes and chunk buffers sized from
+    shapes: no host sync, and inductor keeps it inside its graphs."""
     if validate:
         from . import validate_inputs
         validate_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
@@ -652,7 +765,5 @@ def kda_triton(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
         seq_len = None
-    o, ht = KDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu,
-                              float(lower_bound), float(scale), bool(use_qk_l2norm),
-                              bool(output_final_state), seq_len)
-    return o, ht
+    return _kda_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, float(lower_bound), float(scale),
+                     bool(use_qk_l2norm), bool(output_final_state), seq_len)

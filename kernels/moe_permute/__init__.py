@@ -16,8 +16,12 @@ that write every row once, so nothing uses atomics and results are deterministic
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
 * ``"triton"``: the kernels of ``triton_permute.py`` (bf16, fp16, fp32), one launch forward and
   one backward each, reading only ``inverse``; dispatch saves only ``inverse``, combine ``inverse``
-  plus y (if weights need a gradient) and weights (if y needs one). On CPU through Triton's
-  interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported;
+  plus y (if weights need a gradient) and weights (if y needs one). Eagerly autograd.Functions
+  that launch them directly; under ``torch.compile`` ``torch.library`` custom ops
+  (``k3::moe_dispatch_rows``, ``k3::moe_combine_rows``, with fake shapes and their backwards as
+  ops; combine saves y and weights), so that inductor keeps them in its graphs
+  (``backend.eager_or_compiled``). On CPU through Triton's interpreter, which needs
+  ``TRITON_INTERPRET=1`` before triton is imported;
 * ``"torch"``: ``reference.dispatch_rows`` / ``reference.combine_rows``, differentiated by torch
   autograd.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..backend import use_triton
+from ..backend import eager_or_compiled, use_triton
 from . import reference
 
 __all__ = ["dispatch_rows", "combine_rows"]
@@ -81,6 +85,83 @@ class _CombineRows(torch.autograd.Function):
         return dy, dw, None
 
 
+# Under torch.compile: the same kernels as custom ops.
+@torch.library.custom_op("k3::moe_dispatch_rows", mutates_args=())
+def _dispatch(z: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    from .triton_permute import dispatch_forward
+    return dispatch_forward(z, inverse, top_k)
+
+
+@_dispatch.register_fake
+def _dispatch_fake(z, inverse, top_k):
+    return z.new_empty(z.shape[0] * top_k, z.shape[1])
+
+
+@torch.library.custom_op("k3::moe_dispatch_rows_backward", mutates_args=())
+def _dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    from .triton_permute import dispatch_backward
+    return dispatch_backward(_rows(dx), inverse, top_k, dtype)
+
+
+@_dispatch_backward.register_fake
+def _dispatch_backward_fake(dx, inverse, top_k, dtype):
+    return dx.new_empty(dx.shape[0] // top_k, dx.shape[1], dtype=dtype)
+
+
+def _dispatch_setup(ctx, inputs, output):
+    z, inverse, ctx.top_k = inputs
+    ctx.dtype = z.dtype
+    ctx.save_for_backward(inverse)
+
+
+def _dispatch_grad(ctx, dx):
+    (inverse,) = ctx.saved_tensors
+    return _dispatch_backward(dx, inverse, ctx.top_k, ctx.dtype), None, None
+
+
+_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("k3::moe_combine_rows", mutates_args=())
+def _combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    from .triton_permute import combine_forward
+    return combine_forward(y, weights, inverse)
+
+
+@_combine.register_fake
+def _combine_fake(y, weights, inverse):
+    return y.new_empty(weights.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("k3::moe_combine_rows_backward", mutates_args=())
+def _combine_backward(du: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dy, dweights); both are always formed (in training the gate weights and the expert
+    outputs both need gradients)."""
+    from .triton_permute import combine_backward
+    return combine_backward(_rows(du), y, weights, inverse, weights.shape[1], y.dtype, weights.dtype)
+
+
+@_combine_backward.register_fake
+def _combine_backward_fake(du, y, weights, inverse):
+    return y.new_empty(y.shape), weights.new_empty(weights.shape)
+
+
+def _combine_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _combine_grad(ctx, du):
+    y, weights, inverse = ctx.saved_tensors
+    return *_combine_backward(du, y, weights, inverse), None
+
+
+_combine.register_autograd(_combine_grad, setup_context=_combine_setup)
+
+_dispatch_call = eager_or_compiled(_DispatchRows.apply, _dispatch)
+_combine_call = eager_or_compiled(_CombineRows.apply, _combine)
+
+
 def dispatch_rows(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int,
                   backend: str = "auto") -> torch.Tensor:
     """z [N, ℓ] → x [N·k, ℓ] in z.dtype, x[m] = z[order[m] // top_k]; dz sums the k copies."""
@@ -88,7 +169,7 @@ def dispatch_rows(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, t
         raise ValueError(f"z must be [N, ℓ] and top_k ≥ 1, got {tuple(z.shape)} and {top_k}")
     _check_indices(order, inverse, z.shape[0] * top_k, z.device)
     if use_triton(z, backend, "MoE permute"):
-        return _DispatchRows.apply(_rows(z), inverse.contiguous(), int(top_k))
+        return _dispatch_call(_rows(z), inverse.contiguous(), int(top_k))
     return reference.dispatch_rows(z, order, inverse, top_k)
 
 
@@ -104,5 +185,5 @@ def combine_rows(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, in
                          f"{weights.dtype} on {weights.device}")
     _check_indices(order, inverse, y.shape[0], y.device)
     if use_triton(y, backend, "MoE permute"):
-        return _CombineRows.apply(_rows(y), weights.contiguous(), inverse.contiguous())
+        return _combine_call(_rows(y), weights.contiguous(), inverse.contiguous())
     return reference.combine_rows(y, weights, order, inverse)

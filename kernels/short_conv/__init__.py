@@ -7,8 +7,11 @@ returned in x's dtype (math and gradients in ``reference.py``). ``backend``:
 
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
 * ``"triton"``: the kernels of ``triton_short_conv.py`` (x bf16, fp16 or fp32), one launch
-  forward and one backward, saving only x, the weight and position_ids; on CPU through Triton's
-  interpreter (``TRITON_INTERPRET=1`` before triton is imported);
+  forward and one backward, saving only x, the weight and position_ids; eagerly an
+  autograd.Function that launches them directly, under ``torch.compile`` ``torch.library`` custom
+  ops (``k3::short_conv`` and its backward) with fake shapes, so that inductor keeps them in its
+  graphs (``backend.eager_or_compiled``); on CPU through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is
+  imported);
 * ``"torch"``: ``reference.causal_conv_forward``, differentiated by torch autograd.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..backend import use_triton
+from ..backend import eager_or_compiled, use_triton
 from . import reference
 
 __all__ = ["causal_conv_with_resets"]
@@ -42,6 +45,52 @@ class _CausalConvWithResets(torch.autograd.Function):
         return dx, dw.view(ctx.weight_shape).to(ctx.weight_dtype), None
 
 
+# Under torch.compile: the same kernels as custom ops (the weight's reshape and cast traced around them).
+@torch.library.custom_op("k3::short_conv", mutates_args=())
+def _short_conv(x: torch.Tensor, w: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The Triton forward: x [B, T, C] contiguous, w fp32 [C, W] contiguous → out [B, T, C]."""
+    from .triton_short_conv import short_conv_fwd
+    return short_conv_fwd(x, w, position_ids)
+
+
+@_short_conv.register_fake
+def _short_conv_fake(x, w, position_ids):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("k3::short_conv_backward", mutates_args=())
+def _short_conv_backward(x: torch.Tensor, w: torch.Tensor, position_ids: torch.Tensor, grad_out: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton_short_conv import short_conv_bwd
+    return short_conv_bwd(x, w, position_ids, grad_out)
+
+
+@_short_conv_backward.register_fake
+def _short_conv_backward_fake(x, w, position_ids, grad_out):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_out):
+    x, w, pos = ctx.saved_tensors
+    dx, dw = _short_conv_backward(x, w, pos, grad_out.contiguous())
+    return dx, dw, None
+
+
+_short_conv.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _short_conv_compiled(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    w = weight.float().reshape(weight.shape[0], weight.shape[-1]).contiguous()
+    return _short_conv(x.contiguous(), w, position_ids.contiguous())
+
+
+_conv = eager_or_compiled(_CausalConvWithResets.apply, _short_conv_compiled)
+
+
 def causal_conv_with_resets(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor,
                             backend: str = "auto") -> torch.Tensor:
     """Depthwise causal conv, no bias, that never reads across a document start: x [B, T, C],
@@ -51,5 +100,5 @@ def causal_conv_with_resets(x: torch.Tensor, weight: torch.Tensor, position_ids:
         raise ValueError(f"short conv takes x [B, T, C], weight [C, 1, W], position_ids [B, T]; got "
                          f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(position_ids.shape)}")
     if use_triton(x, backend, "short-conv"):
-        return _CausalConvWithResets.apply(x, weight, position_ids)
+        return _conv(x, weight, position_ids)
     return reference.causal_conv_forward(x, weight, position_ids)

@@ -11,7 +11,10 @@ directly (no cat). ``backend``:
 
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
 * ``"triton"``: the kernels of ``triton_situ.py`` (bf16, fp16, fp32), one launch forward
-  and one backward, saving only the inputs; on CPU through Triton's interpreter, which
+  and one backward, saving only the inputs; eagerly autograd.Functions that launch them
+  directly, under ``torch.compile`` ``torch.library`` custom ops (``k3::situ_glu``,
+  ``k3::situ_glu_packed`` and their backwards) with fake shapes, so that inductor keeps them in
+  its graphs (``backend.eager_or_compiled``); on CPU through Triton's interpreter, which
   needs ``TRITON_INTERPRET=1`` before triton is imported;
 * ``"torch"``: ``reference.situ_forward``, differentiated by torch autograd.
 """
@@ -23,7 +26,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..backend import use_triton
+from ..backend import eager_or_compiled, use_triton
 from . import reference
 
 __all__ = ["situ_glu", "situ_glu_packed"]
@@ -74,6 +77,91 @@ class _SiTUGLUPacked(torch.autograd.Function):
         return d.view(gate_up.shape), None, None
 
 
+# Under torch.compile: the same kernels as custom ops.
+@torch.library.custom_op("k3::situ_glu", mutates_args=())
+def _situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """The Triton forward of SiTU(gate, up), gate and up [..., I] → [..., I] (contiguous)."""
+    from .triton_situ import situ_forward
+    return situ_forward(_rows(gate), _rows(up), beta, linear_beta).view(gate.shape)
+
+
+@_situ_glu.register_fake
+def _situ_glu_fake(gate, up, beta, linear_beta):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("k3::situ_glu_backward", mutates_args=())
+def _situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, beta: float,
+                       linear_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton_situ import situ_backward
+    dgate, dup = gate.new_empty(gate.shape), up.new_empty(up.shape)
+    situ_backward(_rows(gate), _rows(up), _rows(grad_out), _rows(dgate), _rows(dup), beta, linear_beta)
+    return dgate, dup
+
+
+@_situ_glu_backward.register_fake
+def _situ_glu_backward_fake(gate, up, grad_out, beta, linear_beta):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _situ_glu_setup(ctx, inputs, output):
+    gate, up, ctx.beta, ctx.linear_beta = inputs
+    ctx.save_for_backward(gate, up)
+
+
+def _situ_glu_grad(ctx, grad_out):
+    gate, up = ctx.saved_tensors
+    return *_situ_glu_backward(gate, up, grad_out, ctx.beta, ctx.linear_beta), None, None
+
+
+_situ_glu.register_autograd(_situ_glu_grad, setup_context=_situ_glu_setup)
+
+
+@torch.library.custom_op("k3::situ_glu_packed", mutates_args=())
+def _situ_glu_packed(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """The Triton forward of SiTU over gate_up [..., 2I] = [gate | up] → [..., I] (contiguous)."""
+    from .triton_situ import situ_forward
+    gu, i = _rows(gate_up), gate_up.shape[-1] // 2
+    return situ_forward(gu[:, :i], gu[:, i:], beta, linear_beta).view(*gate_up.shape[:-1], i)
+
+
+@_situ_glu_packed.register_fake
+def _situ_glu_packed_fake(gate_up, beta, linear_beta):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op("k3::situ_glu_packed_backward", mutates_args=())
+def _situ_glu_packed_backward(gate_up: torch.Tensor, grad_out: torch.Tensor, beta: float, linear_beta: float
+                              ) -> torch.Tensor:
+    """One [..., 2I] gradient, both halves written by the kernel (no cat)."""
+    from .triton_situ import situ_backward
+    gu, i = _rows(gate_up), gate_up.shape[-1] // 2
+    d = gate_up.new_empty(gu.shape)
+    situ_backward(gu[:, :i], gu[:, i:], _rows(grad_out), d[:, :i], d[:, i:], beta, linear_beta)
+    return d.view(gate_up.shape)
+
+
+@_situ_glu_packed_backward.register_fake
+def _situ_glu_packed_backward_fake(gate_up, grad_out, beta, linear_beta):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _situ_glu_packed_setup(ctx, inputs, output):
+    gate_up, ctx.beta, ctx.linear_beta = inputs
+    ctx.save_for_backward(gate_up)
+
+
+def _situ_glu_packed_grad(ctx, grad_out):
+    (gate_up,) = ctx.saved_tensors
+    return _situ_glu_packed_backward(gate_up, grad_out, ctx.beta, ctx.linear_beta), None, None
+
+
+_situ_glu_packed.register_autograd(_situ_glu_packed_grad, setup_context=_situ_glu_packed_setup)
+
+_glu = eager_or_compiled(_SiTUGLU.apply, _situ_glu)
+_glu_packed = eager_or_compiled(_SiTUGLUPacked.apply, _situ_glu_packed)
+
+
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
              backend: str = "auto") -> torch.Tensor:
     """SiTU(gate, up) for gate, up [..., I] of one shape and dtype → [..., I] in gate.dtype."""
@@ -81,7 +169,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must have one shape and dtype")
     if use_triton(gate, backend, "SiTU"):
-        return _SiTUGLU.apply(gate, up, float(beta), float(linear_beta))
+        return _glu(gate, up, float(beta), float(linear_beta))
     return reference.situ_forward(gate, up, beta, linear_beta)
 
 
@@ -91,6 +179,6 @@ def situ_glu_packed(gate_up: torch.Tensor, beta: float = 4.0, linear_beta: float
     if gate_up.ndim == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up needs an even last dim, got shape {tuple(gate_up.shape)}")
     if use_triton(gate_up, backend, "SiTU"):
-        return _SiTUGLUPacked.apply(gate_up, float(beta), float(linear_beta))
+        return _glu_packed(gate_up, float(beta), float(linear_beta))
     i = gate_up.shape[-1] // 2
     return reference.situ_forward(gate_up[..., :i], gate_up[..., i:], beta, linear_beta)

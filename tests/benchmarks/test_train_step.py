@@ -98,3 +98,12 @@ def test_kda_fla_without_fla_is_a_one_line_error(capsys):
     message = str(exit_.value.code)
     assert message.startswith("train_step: --kda fla needs fla's chunk_kda: fla-core does not import")
     assert "\n" not in message
+
+
+def test_compile_without_a_gpu_is_a_one_line_error():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: --compile runs")
+    with pytest.raises(SystemExit) as exit_:
+        train_step.main(["--model", "k3_tiny", "--kda", "ours", "--compile"])
+    message = str(exit_.value.code)
+    assert message.startswith("train_step: --compile needs a GPU") and "\n" not in message

@@ -176,6 +176,15 @@ def test_triton_model_equals_reference_path(monkeypatch):
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
+@triton_cpu
+def test_triton_custom_op_registration():
+    """k3::attn_res's schema, fake shapes and autograd registration (what torch.compile relies on)
+    agree with the kernels, here at 3 sources."""
+    sources, w, gain, _ = random_inputs(3, (2, 5, 96), seed=4)
+    qt = (w.view(-1) * gain).float().contiguous()
+    torch.library.opcheck(torch.ops.k3.attn_res, (qt.requires_grad_(), _leaves(sources, dtype=torch.float32)))
+
+
 def test_triton_cpu_subprocess():
     """Runs the Triton tests above under the interpreter when this process could not."""
     rerun_under_interpreter(__file__)

@@ -191,6 +191,8 @@ TRITON_CASES = {
     "no_l2": (1, 40, 2, 16, 16, [0, 17, 40], False, False, 0.0, 0.15),
     "K48_blocks": (1, 36, 1, 48, 16, None, True, True, 0.0, 1.0),  # 2 key blocks, masked tail
     "varlen_V_tiles": (1, 60, 2, 16, 40, [0, 5, 45, 60], True, True, 0.0, 1.0),
+    # 3 chunks in chunk_capacity's 70 // 32 + 3 = 5 slots: two empty ones, launched and masked
+    "varlen_spare_slots": (1, 70, 2, 16, 16, [0, 32, 64, 70], True, True, 0.0, 1.0),
 }
 # launch-config overrides per case: V split in tiles of 16 (scans and backward), the last
 # one masked at V = 40
@@ -265,6 +267,26 @@ def test_triton_interpreter_repeated_keys():
     assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5
     for n in g2:
         assert rel(g1[n], g2[n]) < 1e-4, (n, rel(g1[n], g2[n]))
+
+
+def test_triton_interpreter_custom_op_registration():
+    """k3::kda's schema, fake shapes (chunk buffers sized by chunk_capacity from shapes alone) and
+    autograd registration, which torch.compile relies on, agree with the kernels: packed documents
+    with an initial state, and equal-length rows through AOT autograd as well (with packed
+    documents the spare chunk slots of the saved buffers hold whatever memory held, so two runs'
+    outputs are not compared)."""
+    if "triton" in sys.modules and not _interpreter_usable():
+        pytest.skip("covered in a subprocess by test_triton_interpreter_matches_recurrent")
+    mod = _triton_module(interpret=True)
+    q, k, v, g, beta, A_log, dt, h0 = (x.requires_grad_() for x in make_inputs(1, 40, 2, 16, 16, N=2, seed=9))
+    cu = torch.tensor([0, 17, 40])
+    args = (q, k, v, g, beta, A_log, dt)
+    assert mod.chunk_capacity(40, 2, None) == 3  # 2 chunks used
+    torch.library.opcheck(torch.ops.k3.kda, (*args, h0, cu, -5.0, 0.25, True, True, None),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    rows = [x.detach().reshape(2, 20, *x.shape[2:]).requires_grad_() for x in args[:5]]
+    torch.library.opcheck(torch.ops.k3.kda, (*rows, A_log, dt, None, torch.tensor([0, 20, 40]), -5.0, 0.25,
+                                             True, False, 20))
 
 
 # ------------------------------------------------------------------ GPU

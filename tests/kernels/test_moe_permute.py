@@ -216,6 +216,22 @@ def test_triton_end_to_end(backend):
         assert bool(((got.double() - want).abs() <= RTOL32 * scale).all()), backend
 
 
+@triton_cpu
+def test_triton_custom_op_registration():
+    """k3::moe_dispatch_rows and k3::moe_combine_rows: schema, fake shapes and autograd registration
+    (what torch.compile relies on) agree with the kernels."""
+    g = torch.Generator().manual_seed(8)
+    n, k, ell = 7, 3, 24
+    order = torch.randperm(n * k, generator=g).to(DEV)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(n * k, device=DEV)
+    z = torch.randn(n, ell, generator=g).to(DEV).requires_grad_()
+    y = torch.randn(n * k, ell, generator=g).to(DEV).requires_grad_()
+    w = torch.rand(n, k, generator=g).to(DEV).requires_grad_()
+    torch.library.opcheck(torch.ops.k3.moe_dispatch_rows, (z, inverse, k))
+    torch.library.opcheck(torch.ops.k3.moe_combine_rows, (y, w, inverse))
+
+
 def test_triton_cpu_subprocess():
     """Runs the Triton tests above under the interpreter when this process could not."""
     rerun_under_interpreter(__file__)

@@ -176,6 +176,17 @@ def test_triton_model_equals_reference_path(monkeypatch):
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
+@triton_cpu
+def test_triton_custom_op_registration():
+    """k3::short_conv's schema, fake shapes and autograd registration (what torch.compile relies on)
+    agree with the kernels."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 9, 40, generator=g, device="cpu").to(DEV).requires_grad_()
+    w = torch.randn(40, 4, generator=g).to(DEV).requires_grad_()
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1]], device=DEV)
+    torch.library.opcheck(torch.ops.k3.short_conv, (x, w, pos))
+
+
 def test_triton_cpu_subprocess():
     """Runs the Triton tests above under the interpreter when this process could not."""
     rerun_under_interpreter(__file__)

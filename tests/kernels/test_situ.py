@@ -201,6 +201,16 @@ def test_triton_empty_and_noncontiguous():
     _check_against_reference(a.detach(), c.detach(), go, y, a.grad, c.grad)
 
 
+@triton_cpu
+def test_triton_custom_op_registration():
+    """k3::situ_glu and k3::situ_glu_packed: schema, fake shapes and autograd registration (what
+    torch.compile relies on) agree with the kernels."""
+    gate, up = (random_input((3, 5, 24), seed=s).to(DEV).requires_grad_() for s in (6, 7))
+    torch.library.opcheck(torch.ops.k3.situ_glu, (gate, up, BETA, LIN))
+    torch.library.opcheck(torch.ops.k3.situ_glu_packed, (torch.cat([gate, up], -1).detach().requires_grad_(),
+                                                         BETA, LIN))
+
+
 def test_triton_cpu_subprocess():
     """Runs the Triton tests above under the interpreter when this process could not."""
     rerun_under_interpreter(__file__)
