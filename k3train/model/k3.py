@@ -41,7 +41,7 @@ class K3Model(nn.Module):
         self.embed_tokens = self.tp.embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(K3Layer(cfg, self.tp, i) for i in range(cfg.num_layers))
         self.output_attn_res = AttnResAggregator(d)
-        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, autocast_output=True)  # feeds the LM head only
         self.lm_head = self.tp.column(d, cfg.vocab_size, what="model.vocab_size", kind=Kind.LM_HEAD)
 
     def moe_layers(self) -> list[LatentMoE]:

@@ -35,10 +35,11 @@ class K3Layer(nn.Module):
         self.layer_idx = layer_idx
         self.writes_block = layer_idx % cfg.attn_res_block_size == 0
         self.self_attention_res = AttnResAggregator(d)
-        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        # The norms' outputs feed only GEMMs, except the MoE router's fp32 scores (K3_SPEC §2.3).
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, autocast_output=True)
         self.self_attn = GatedMLA(cfg, tp) if cfg.is_mla(layer_idx) else KimiDeltaAttention(cfg, tp)
         self.mlp_res = AttnResAggregator(d)
-        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, autocast_output=not cfg.is_moe(layer_idx))
         if cfg.is_moe(layer_idx):
             self.mlp = LatentMoE(cfg, tp)
         else:

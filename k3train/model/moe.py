@@ -143,7 +143,7 @@ class LatentMoE(nn.Module):
         self.dispatcher = token_dispatcher(cfg.num_experts, groups.ep if groups else None,
                                            groups.ep_size if groups else 1, tp.ep_dispatcher)
         self.experts = RoutedExperts(cfg, tp)
-        self.routed_expert_norm = RMSNorm(ell, cfg.rms_norm_eps)
+        self.routed_expert_norm = RMSNorm(ell, cfg.rms_norm_eps, autocast_output=True)  # feeds W↑ only
         self.routed_expert_up_proj = tp.replicated(ell, d)
         self.shared_experts = SiTUMLP(tp, d, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                       cfg.situ_beta, cfg.situ_linear_beta)

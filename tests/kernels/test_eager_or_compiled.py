@@ -15,6 +15,7 @@ from kernels.attn_res import attn_res_aggregate
 from kernels.backend import eager_or_compiled
 from kernels.moe_permute import combine_rows, dispatch_rows
 from kernels.short_conv import causal_conv_with_resets
+from kernels.rms_norm import rms_norm
 from kernels.situ import situ_glu, situ_glu_packed
 
 
@@ -81,6 +82,8 @@ def _cases():
                          "_DispatchRows", "k3.moe_dispatch_rows"),
         "moe_combine": (lambda y, w: combine_rows(y, w, order, inverse, backend="triton"), (r(n * k, ell), r(n, k)),
                         "_CombineRows", "k3.moe_combine_rows"),
+        "rms_norm": (lambda x, w: rms_norm(x, w, 1e-5, backend="triton"), (r(2, 5, 24), r(24)),
+                     "_RMSNorm", "k3.rms_norm"),
     }
 
 

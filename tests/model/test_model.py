@@ -109,14 +109,15 @@ def test_block_attn_res_schedule_matches_eager_reference(tiny):
 
 
 def test_attn_res_state_stays_fp32_under_bf16_autocast(tiny):
-    """K3_SPEC §2.1: under bf16 autocast the block rows, the partial sum and every aggregation are fp32
-    (the GEMMs run in bf16), and the loss stays close to the model's fp32 loss."""
+    """K3_SPEC §2.1: under bf16 autocast the block rows, the partial sum and every aggregation's
+    sources are fp32 (the GEMMs run in bf16), and the loss stays close to the model's fp32 loss. A
+    site's output is its RMSNorm's: bf16 where only GEMMs read it, fp32 where the MoE router does."""
     torch.manual_seed(5)
     tokens, labels = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
     states, mixes = [], []
     hooks = [layer.register_forward_hook(lambda m, args, out: states.append(out)) for layer in tiny.layers]
-    hooks += [m.register_forward_hook(lambda m, args, out: mixes.append((args[0], out))) for m in tiny.modules()
-              if type(m).__name__ == "AttnResAggregator"]
+    hooks += [m.register_forward_hook(lambda m, args, out: mixes.append((args[0], args[1], out)))
+              for m in tiny.modules() if type(m).__name__ == "AttnResAggregator"]
     with torch.no_grad():
         want = tiny(tokens, labels=labels)
         del states[:], mixes[:]
@@ -129,8 +130,12 @@ def test_attn_res_state_stays_fp32_under_bf16_autocast(tiny):
     assert states and mixes
     for bank, partial in states:
         assert partial.dtype == torch.float32 and all(row.dtype == torch.float32 for row in bank)
-    for sources, mix in mixes:  # every read of the bank and the partial sum, and its result
-        assert mix.dtype == torch.float32 and all(v.dtype == torch.float32 for v in sources)
+    routed = 0
+    for sources, norm, mix in mixes:  # every read of the bank and the partial sum, and its result
+        assert all(v.dtype == torch.float32 for v in sources)
+        assert mix.dtype == (torch.bfloat16 if norm.autocast_output else torch.float32)
+        routed += not norm.autocast_output
+    assert routed == 2 * sum(type(m).__name__ == "LatentMoE" for m in tiny.modules())  # two forwards
     assert abs(float(got) - float(want)) < 1e-2 * float(want), (float(got), float(want))
 
 
