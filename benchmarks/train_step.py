@@ -278,12 +278,16 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         phase_ms = {name: sum(elapsed_ms(t[i], t[i + 1]) for t in ticks) / len(ticks)
                     for i, name in enumerate(PHASES)}
         qb_ms = phase_ms["qb"]
+        # The eager step is host-bound, and the host's speed drifts within a lease: the median step
+        # (first to last event) is steadier than the mean for A/B comparisons across processes.
+        per_step = sorted(elapsed_ms(t[0], t[-1]) for t in ticks)
         tok = args.batch * args.seq
         tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
         dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
         row = {"model": args.model, "kda": kda, "optim": args.optim, "compile": compiled, "batch": args.batch,
                "seq": args.seq, "dtype": dtype, "recompute": args.recompute,
                "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
+               "step_ms_median": per_step[len(per_step) // 2], "step_ms_min": per_step[0],
                "tokens_per_s": tok / dt, "model_tflops": tflops,
                "mfu_datasheet": tflops / DATASHEET_TFLOPS if cuda else None,
                "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS if cuda else None,
@@ -296,7 +300,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
               f"{_fmt(row['mfu_datasheet'], '.1%', 9)} {_fmt(row['mfu_measured_gemm'], '.1%', 9)} "
               f"{_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
         clock = "GPU time between events" if cuda else "host time"
-        print(f"  {name}: {args.params} params, {args.optim}; loss {row['first_loss']:.4f} at the first step; "
+        print(f"  {name}: {args.params} params, {args.optim}; step median {row['step_ms_median']:.1f} ms "
+              f"(min {row['step_ms_min']:.1f}); loss {row['first_loss']:.4f} at the first step; "
               f"phases ({clock}, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()), flush=True)
         return row
 

@@ -52,6 +52,6 @@ class K3Layer(nn.Module):
             bank = bank + [partial]
             partial = self.self_attn(x_a, docs).float()
         else:
-            partial = partial + self.self_attn(x_a, docs).float()
+            partial = partial + self.self_attn(x_a, docs)  # fp32 + bf16 → fp32: one kernel, exact
         x_m = self.mlp_res(bank + [partial], self.post_attention_layernorm)
-        return bank, partial + self.mlp(x_m).float()
+        return bank, partial + self.mlp(x_m)

@@ -31,6 +31,13 @@ from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_sl
 from kernels.moe_permute import combine_rows, dispatch_rows
 
 
+def stable_order(keys: torch.Tensor, bound: int) -> torch.Tensor:
+    """The stable sorting order of integer ``keys`` [M] with values in [0, bound), sorted in the narrowest
+    integer type that holds them: the GPU's radix sort makes one pass per key byte (8 for int64)."""
+    dtype = torch.uint8 if bound <= 256 else torch.int16 if bound <= 2**15 else torch.int32
+    return keys.to(dtype).argsort(stable=True)
+
+
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     """inv with inv[perm[m]] = m."""
     inv = torch.empty_like(perm)
@@ -60,7 +67,7 @@ class LocalTokenDispatcher:
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """z [N, ℓ], experts [N, k] → grouped rows [N·k, ℓ], tokens per expert [E], handle."""
         flat = experts.flatten()
-        order = flat.argsort(stable=True)
+        order = stable_order(flat, self.num_experts)
         inverse = inverse_permutation(order)
         # tokens per expert [E]: a bincount whose length does not depend on the ids (traceable by torch.compile)
         tokens_per_expert = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
@@ -180,7 +187,7 @@ class ExpertParallelDispatcher:
         index = first_copy[expert] + torch.arange(n_copies, device=dev)
         dest = torch.searchsorted(alloc.to(dev).cumsum(1)[expert], index[:, None], right=True).squeeze(1)
         key = dest * self.groups_per_rank + self._group_of(expert, dest, slots.to(dev))
-        return key.argsort(stable=True)
+        return stable_order(key, self.size * self.groups_per_rank)
 
     def _receive_order(self, alloc, slots, overlap, dev) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Rows received from each source arrive in that source's group order; → the order [M]
