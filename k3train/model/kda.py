@@ -116,7 +116,7 @@ class KimiDeltaAttention(nn.Module):
             o, _ = self.kernel(flat(q), flat(k), flat(v), flat(f), flat(b), A_log, dt_bias,
                                lower_bound=self.lower_bound, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
             o = o.view(B, T, H, h)
-        o = rms_norm(o, self.tp.copy_to_tp(self.o_norm), self.eps)
-        gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, h)
-        y = (o.float() * gate).to(x.dtype).reshape(B, T, H * h)
-        return self.o_proj(y)
+        # y = RMSNorm(o)·γ·σ(g_proj x) per head, in fp32 until the one rounding to x's dtype (one kernel)
+        gate = self.g_proj(x).view(B, T, H, h)
+        y = rms_norm(o, self.tp.copy_to_tp(self.o_norm), self.eps, x.dtype, gate=gate)
+        return self.o_proj(y.reshape(B, T, H * h))

@@ -4,7 +4,8 @@ Both take [M, n] row views (last dim contiguous, n ≤ ``MAX_N``); a program hol
 [BLOCK_M, BLOCK_N ≥ n] tiles, loads cast to fp32, math in fp32, stores cast to the
 output's dtype.
 
-* forward: one tile of rows a program; writes y and r [M] (fp32, saved for the backward).
+* forward: one tile of rows a program; writes y and r [M] (fp32, saved for the backward). With
+  gate logits G [M, n] (``HAS_GATE``), y = (x·r)·w·σ(g), and the backward also writes dg.
 * backward: a fixed number P of programs (a few per SM), each walking its own contiguous run
   of rows: writes dx, and its partial Σ dy⊙x̂ [n] in fp32 to row p of a [P, n] buffer that the
   caller sums over P. No atomics: the result does not depend on scheduling.
@@ -28,8 +29,13 @@ INTERPRET_PROGRAMS = 3
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, Y, R, M, N, stride_x, stride_y, eps,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sigmoid(g):
+    return 1.0 / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(X, W, G, Y, R, M, N, stride_x, stride_g, stride_y, eps,
+                         HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -37,13 +43,17 @@ def _rms_norm_fwd_kernel(X, W, Y, R, M, N, stride_x, stride_y, eps,
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
     y = (x * r[:, None]) * w[None, :]
+    if HAS_GATE:
+        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y * _sigmoid(g)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(R + rows, r, mask=rows < M)
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(X, W, DY, R, DX, DW_PARTIAL, M, N, stride_x, stride_dy, stride_dx, rows_per_program,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_bwd_kernel(X, W, G, DY, R, DX, DG, DW_PARTIAL, M, N, stride_x, stride_g, stride_dy, stride_dx,
+                         stride_dg, rows_per_program,
+                         HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -59,6 +69,12 @@ def _rms_norm_bwd_kernel(X, W, DY, R, DX, DW_PARTIAL, M, N, stride_x, stride_dy,
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         r = tl.load(R + rows, mask=row_ok, other=0.0)
         xhat = x * r[:, None]
+        if HAS_GATE:
+            g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sg = _sigmoid(g)
+            dg = dy * (xhat * w[None, :]) * sg * (1.0 - sg)
+            tl.store(DG + rows[:, None] * stride_dg + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
+            dy = dy * sg
         wdy = w[None, :] * dy
         c = tl.sum(xhat * wdy, axis=1) / N
         dx = (wdy - xhat * c[:, None]) * r[:, None]
@@ -83,22 +99,25 @@ def _warps(block_m: int, block_n: int) -> int:
     return 8 if block_m * block_n >= 8192 else 4
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, n] (last dim contiguous), weight [n] → y [M, n] in out_dtype, r [M] fp32."""
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None, eps: float,
+                     out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, n] (last dim contiguous), weight [n], gate logits [M, n] or None → y [M, n] in out_dtype,
+    r [M] fp32."""
     M, n = x.shape
     y = torch.empty(M, n, dtype=out_dtype, device=x.device)
     r = torch.empty(M, dtype=torch.float32, device=x.device)
     block_m, block_n = _blocks(n)
-    _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](x, weight, y, r, M, n, x.stride(0), y.stride(0), eps,
-                                                     BLOCK_M=block_m, BLOCK_N=block_n,
+    g = x if gate is None else gate  # any pointer when there is no gate
+    _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](x, weight, g, y, r, M, n, x.stride(0), g.stride(0), y.stride(0),
+                                                     eps, HAS_GATE=gate is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                                                      num_warps=_warps(block_m, block_n))
     return y, r
 
 
-def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, dy: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, dy [M, n] (dy in any float dtype), weight [n], r [M] → dx [M, n] in x.dtype, dw [n] in weight.dtype."""
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None, r: torch.Tensor,
+                      dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x, dy [M, n] (dy in any float dtype), weight [n], gate [M, n] or None, r [M] → dx [M, n] in x.dtype,
+    dw [n] in weight.dtype, dgate [M, n] in gate.dtype (None without a gate)."""
     M, n = x.shape
     block_m, block_n = _blocks(n)
     if _interpreted():
@@ -109,8 +128,11 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, dy
     rows_per_program = triton.cdiv(triton.cdiv(M, programs), block_m) * block_m
     programs = triton.cdiv(M, rows_per_program) if M else 1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dgate = None if gate is None else torch.empty(M, n, dtype=gate.dtype, device=x.device)
+    g, dg = (x, dx) if gate is None else (gate, dgate)  # any pointers when there is no gate
     partial = torch.empty(programs, n, dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(programs,)](x, weight, dy, r, dx, partial, M, n, x.stride(0), dy.stride(0), dx.stride(0),
-                                      rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n,
+    _rms_norm_bwd_kernel[(programs,)](x, weight, g, dy, r, dx, dg, partial, M, n, x.stride(0), g.stride(0),
+                                      dy.stride(0), dx.stride(0), dg.stride(0), rows_per_program,
+                                      HAS_GATE=gate is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                                       num_warps=_warps(block_m, block_n))
-    return dx, partial.sum(0).to(weight.dtype)
+    return dx, partial.sum(0).to(weight.dtype), dgate

@@ -84,6 +84,8 @@ def _cases():
                         "_CombineRows", "k3.moe_combine_rows"),
         "rms_norm": (lambda x, w: rms_norm(x, w, 1e-5, backend="triton"), (r(2, 5, 24), r(24)),
                      "_RMSNorm", "k3.rms_norm"),
+        "rms_norm_gated": (lambda x, w, g: rms_norm(x, w, 1e-5, gate=g, backend="triton"),
+                           (r(2, 5, 24), r(24), r(2, 5, 24)), "_RMSNorm", "k3.rms_norm"),
     }
 
 

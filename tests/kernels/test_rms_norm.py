@@ -33,12 +33,15 @@ def random_input(shape, seed, dtype=torch.float32) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _float64_grads(x, w, dy):
-    """y, dx, dw of the reference math in float64."""
+def _float64_grads(x, w, dy, g=None):
+    """y, dx, dw (and dg) of the reference math in float64."""
     x, w = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+    if g is not None:
+        g = g.detach().double().requires_grad_()
+        y = y * torch.sigmoid(g)
     y.backward(dy.double())
-    return y.detach(), x.grad, w.grad
+    return y.detach(), x.grad, w.grad, None if g is None else g.grad
 
 
 def _assert_near(got, want, scale, rtol, what):
@@ -50,14 +53,23 @@ def _assert_near(got, want, scale, rtol, what):
     assert not bool(bad.any()), f"{what}: {int(bad.sum())} of {bad.numel()} off, worst {((got - want).abs() - bound).max():.3e}"
 
 
-def _check(x, w, dy, y, dx, dw, rtol=2e-6):
-    """Outputs of one forward/backward against float64, with the bounds of the module docstring."""
-    y64, dx64, dw64 = _float64_grads(x.cpu(), w.cpu(), dy.cpu())
+def _check(x, w, dy, y, dx, dw, rtol=2e-6, g=None, dg=None):
+    """Outputs of one forward/backward against float64, with the bounds of the module docstring
+    (gated: dy enters the norm's backward as dy·σ(g))."""
+    y64, dx64, dw64, dg64 = _float64_grads(x.cpu(), w.cpu(), dy.cpu(), None if g is None else g.cpu())
     xs, ws, dys = x.detach().cpu().double(), w.detach().cpu().double(), dy.detach().cpu().double()
     r = torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + EPS)
     # fp32 errors are relative to the terms' magnitudes: |x̂|·|w| for y, r·(|w dy| + |x̂|·mean|x̂ w dy|) for dx
     xhat = (xs * r).abs()
-    _assert_near(y, y64, xhat * ws.abs(), rtol, "y")
+    if g is not None:
+        sg = torch.sigmoid(g.detach().cpu().double())
+        # σ' = σ(1 − σ) in fp32 is off by an ulp of 1 (times σ) where σ saturates: 4 ulp of slack
+        ulp_slack = 4 * 2.0**-23 / rtol
+        _assert_near(dg, dg64, (dys * xhat * ws).abs() * sg * (1 - sg + ulp_slack), rtol, "dgate")
+        dys = dys * sg
+        _assert_near(y, y64, xhat * ws.abs() * sg, rtol, "y")
+    else:
+        _assert_near(y, y64, xhat * ws.abs(), rtol, "y")
     dx_scale = r * ((ws * dys).abs() + xhat * (xhat * (ws * dys).abs()).mean(-1, keepdim=True))
     _assert_near(dx, dx64, dx_scale, rtol, "dx")
     dw_scale = (dys.abs() * xhat).reshape(-1, xs.shape[-1]).sum(0)
@@ -102,6 +114,8 @@ def test_model_norm_autocast_output():
 def test_errors():
     with pytest.raises(ValueError, match="weight"):
         rms_norm(torch.randn(2, 8), torch.ones(4), EPS)
+    with pytest.raises(ValueError, match="gate"):
+        rms_norm(torch.randn(2, 8), torch.ones(8), EPS, gate=torch.randn(2, 4))
     with pytest.raises(ValueError, match="backend"):
         rms_norm(torch.randn(2, 8), torch.ones(8), EPS, backend="cuda")
 
@@ -120,6 +134,29 @@ def test_triton_kernels(shape, dtype, wdtype):
     y.backward(dy.to(DEV))
     assert xg.grad.dtype == dtype and wg.grad.dtype == wdtype
     _check(x, w, dy, y, xg.grad, wg.grad)
+
+
+def test_reference_gated_matches_float64():
+    x, w, g, dy = (random_input(s, i) for i, s in enumerate([(3, 7, 40), (40,), (3, 7, 40), (3, 7, 40)]))
+    xg, wg, gg = x.clone().requires_grad_(), w.clone().requires_grad_(), g.clone().requires_grad_()
+    y = R.rms_norm(xg, wg, EPS, gate=gg)
+    y.backward(dy)
+    _check(x, w, dy, y, xg.grad, wg.grad, g=g, dg=gg.grad)
+
+
+@triton_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_gated(dtype):
+    """KDA's output: x and the gate logits bf16 (or fp32) [B, T, H, h], the fp32 o_norm gain, y in x.dtype."""
+    shape = (2, 9, 3, 128)
+    x, g, dy = (random_input(shape, s, dtype) for s in (60, 61, 62))
+    w = random_input((128,), 63)
+    xg, wg, gg = x.to(DEV).requires_grad_(), w.to(DEV).requires_grad_(), g.to(DEV).requires_grad_()
+    y = rms_norm(xg, wg, EPS, gate=gg, backend="triton")
+    assert type(y.grad_fn).__name__.startswith("_RMSNorm") and y.dtype == dtype
+    y.backward(dy.to(DEV))
+    assert gg.grad.dtype == dtype
+    _check(x, w, dy, y, xg.grad, wg.grad, g=g, dg=gg.grad)
 
 
 @triton_cpu
@@ -158,8 +195,10 @@ def test_triton_custom_op_registration():
     """k3::rms_norm: schema, fake shapes and autograd registration (what torch.compile relies on)."""
     x = random_input((3, 5, 24), 30).to(DEV).requires_grad_()
     w = random_input((24,), 31).to(DEV).requires_grad_()
-    torch.library.opcheck(torch.ops.k3.rms_norm, (x, w, EPS, torch.float32))
-    torch.library.opcheck(torch.ops.k3.rms_norm, (x, w, EPS, torch.bfloat16))
+    g = random_input((3, 5, 24), 32).to(DEV).requires_grad_()
+    torch.library.opcheck(torch.ops.k3.rms_norm, (x, w, None, EPS, torch.float32))
+    torch.library.opcheck(torch.ops.k3.rms_norm, (x, w, None, EPS, torch.bfloat16))
+    torch.library.opcheck(torch.ops.k3.rms_norm, (x, w, g, EPS, torch.float32))
 
 
 def test_triton_cpu_subprocess():
