@@ -126,7 +126,7 @@ def run_case(shape, dtype_name, fmt, rule, results, check_torchao=True):
 SWEEP_CONFIGS = [(128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]
 
 
-def sweep(shape, dtype_names, formats):
+def sweep(shape, dtype_names, formats, configs=SWEEP_CONFIGS):
     """The kernels' launch configs, quantize and dequantize, each beside a copy of the same input
     measured in this process. Sets the best config for the table."""
     from kernels.mx import get_format, mx_quantize
@@ -151,7 +151,7 @@ def sweep(shape, dtype_names, formats):
                     def fn():
                         return (triton_mx.dequantize(codes, scale, f, shape[-1], x.dtype),)
                 saved, first = triton_mx.GPU_CONFIG[op], None
-                for bb, warps in SWEEP_CONFIGS:
+                for bb, warps in configs:
                     triton_mx.GPU_CONFIG[op] = (bb, warps)
                     got = fn()
                     first = first or got
@@ -193,6 +193,8 @@ def main():
     ap.add_argument("--rules", default="rceil")
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="tune launch configs first")
+    ap.add_argument("--configs", default=",".join(f"{b}x{w}" for b, w in SWEEP_CONFIGS),
+                    help="the sweep's launch configs, BLOCKSxWARPS,... (blocks of 32 per program)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "benchmarks/mx.py needs a CUDA GPU"
@@ -200,7 +202,8 @@ def main():
     results, sweeps = [], []
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     if args.sweep:
-        sweeps = sweep(shapes[0], args.dtypes.split(","), args.formats.split(","))
+        configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+        sweeps = sweep(shapes[0], args.dtypes.split(","), args.formats.split(","), configs)
     for shape in shapes:
         for dt in args.dtypes.split(","):
             for fmt in args.formats.split(","):
