@@ -174,7 +174,7 @@ def _mx_quantize_kernel(
     rows = tl.arange(0, BLOCK_B)
     rmask = rows < n_blocks - first
     offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]  # pair index
-    w = tl.load(x_ptr + first * 16 + offs, mask=rmask[:, None], other=0)
+    w = tl.load(x_ptr + first * 16 + offs, mask=rmask[:, None], other=0, eviction_policy="evict_first")
     lo, hi = _split_pairs(w, IN_BF16)
     ab_lo = lo & 0x7FFFFFFF
     ab_hi = hi & 0x7FFFFFFF
@@ -223,7 +223,7 @@ def _mx_quantize_kernel(
                 b_lo = b_lo >> 16
                 b_hi = b_hi >> 16
         tl.store(out_ptr + first * 16 + offs, _join_pairs(b_lo, b_hi, IN_BF16),
-                 mask=rmask[:, None])
+                 mask=rmask[:, None], cache_modifier=".cs")
     else:
         sat = tl.where(nonfinite, NAN_CODE, MAX_CODE).to(tl.uint32)
         c_lo = _code(ay_lo, sat, MBITS, EMIN)
@@ -237,10 +237,10 @@ def _mx_quantize_kernel(
         c_hi = c_hi | ((hi >> (31 - SIGN_SHIFT)) & (1 << SIGN_SHIFT))
         if PACK:  # byte: column 2i in the low nibble
             tl.store(out_ptr + first * 16 + offs, (c_lo | (c_hi << 4)).to(tl.uint8),
-                     mask=rmask[:, None])
+                     mask=rmask[:, None], cache_modifier=".cs")
         else:  # int16: column 2i in the low byte
             tl.store(out_ptr + first * 16 + offs, (c_lo | (c_hi << 8)).to(tl.int16),
-                     mask=rmask[:, None])
+                     mask=rmask[:, None], cache_modifier=".cs")
         sbyte = tl.where(nonfinite, 255, k + 127).to(tl.uint8)
         tl.store(scale_ptr + first + rows, sbyte, mask=rmask)
 
@@ -259,7 +259,7 @@ def _mx_dequantize_kernel(
     rmask = rows < n_blocks - first
     offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
     # a sign-extended pair: bit 31 is the sign of the odd column's code
-    v = tl.load(data_ptr + first * 16 + offs, mask=rmask[:, None], other=0).to(tl.int32)
+    v = tl.load(data_ptr + first * 16 + offs, mask=rmask[:, None], other=0, eviction_policy="evict_first").to(tl.int32)
     c_lo = v << (31 - SIGN_SHIFT)  # bit 31: the even column's sign
     if PACK:
         mag_lo = v & 0x7
@@ -288,7 +288,7 @@ def _mx_dequantize_kernel(
             b_lo = b_lo >> 16
             b_hi = b_hi >> 16
     tl.store(out_ptr + first * 16 + offs, _join_pairs(b_lo, b_hi, OUT_BF16),
-             mask=rmask[:, None])
+             mask=rmask[:, None], cache_modifier=".cs")
 
 
 def interpreter_active() -> bool:
@@ -329,9 +329,11 @@ def _max_mant(fmt: ElemFormat) -> int:
 LOW_K = -109
 
 # (blocks of 32 per program, warps) on GPU; benchmarks/mx.py --sweep tunes these. From the H200
-# sweep of these kernels, 2026-11-30 (docs/results/mx_sweep_h200_2026-11-30.json): the best
-# worst case over bf16/fp32 x E4M3/E2M1 at 8192x8192.
-GPU_CONFIG = {"quantize": (128, 4), "dequantize": (256, 4)}
+# sweep of 14 configs, 2026-12-01 (docs/results/mx_sweep_h200_2026-12-01.json): the best worst
+# case over bf16/fp32 x E4M3/E2M1 at 8192x8192. Small programs win (16-32 elements a thread,
+# many resident programs per SM); loads are evict-first and stores streaming (.cs): every byte
+# is touched once.
+GPU_CONFIG = {"quantize": (32, 1), "dequantize": (64, 1)}
 
 
 def _launch_cfg(x: torch.Tensor, op: str):
