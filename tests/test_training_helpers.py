@@ -16,9 +16,10 @@ FAST = ["model=k3_tiny", "train.device=cpu", "data.seq_len=64", "train.global_ba
         "optim.lr=3e-3", "train.deterministic=true"]
 
 
-def train(out_dir: Path, *overrides: str, check: bool = True, base: tuple[str, ...] | list[str] = FAST
-          ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+def train(out_dir: Path, *overrides: str, check: bool = True, base: tuple[str, ...] | list[str] = FAST,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``env``: variables set on top of the defaults (e.g. PYTHONHASHSEED, OMP_NUM_THREADS)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "k3train.train", *base, f"train.out_dir={out_dir}", *overrides],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
