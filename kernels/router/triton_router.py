@@ -110,10 +110,11 @@ def _warps(block_m: int, block_e: int) -> int:
 
 def route_forward(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
                   scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [M, E] fp32 (any strides), bias [E] fp32 → weights [M, k] fp32, experts [M, k] int64,
+    """logits [M, E] fp32 (any strides), bias [E] fp32 (any stride) → weights [M, k] fp32, experts [M, k] int64,
     scores [M, E] fp32, cutoff [M] fp32 (all contiguous)."""
     M, E = logits.shape
     dev = logits.device
+    bias = bias.contiguous()
     weights = torch.empty(M, top_k, dtype=torch.float32, device=dev)
     experts = torch.empty(M, top_k, dtype=torch.int64, device=dev)
     scores = torch.empty(M, E, dtype=torch.float32, device=dev)

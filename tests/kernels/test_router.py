@@ -137,8 +137,11 @@ def test_triton_matches_reference(n, e, k):
 
 @triton_cpu
 def test_triton_noncontiguous_logits_and_dweights():
-    """Logits as every other column of a wider tensor and as a transpose; dweights expanded (stride 0)."""
+    """Logits as every other column of a wider tensor and as a transpose, the bias a strided view;
+    dweights expanded (stride 0)."""
     z, b, dw = _inputs(21, 96, 6, 30)
+    b = torch.stack([b, -b], 1)[:, 0]
+    assert not b.is_contiguous()
     wide = torch.randn(21, 192)
     wide[:, ::2] = z
     for zz in (wide[:, ::2], z.t().contiguous().t()):
