@@ -8,6 +8,9 @@ For tokens x [N, d], in fp32:
     α = (k+1)-th largest of s + b   the cutoff Quantile Balancing needs
 
 ``b`` (``e_score_correction_bias``) is a buffer: no gradient, not an optimizer parameter.
+
+After the fp32 GEMM the rest is ``kernels.router.route``: on CUDA one fused Triton launch forward
+and one backward, elsewhere (and under torch.compile) the same math in plain torch.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from k3train.model.roles import Kind, ParamRole, set_role
+from kernels.router import route
 
 
 @dataclass
@@ -41,10 +45,6 @@ class SigmoidRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         with torch.autocast(device_type=x.device.type, enabled=False):
-            s = torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
-        biased = s.detach() + self.e_score_correction_bias
-        top_vals, top_idx = biased.topk(self.top_k + 1, dim=-1)
-        experts = top_idx[:, : self.top_k]
-        chosen = s.gather(1, experts)
-        weights = chosen / chosen.sum(-1, keepdim=True) * self.scaling
-        return Routing(experts=experts, weights=weights, scores=s.detach(), cutoff=top_vals[:, self.top_k])
+            logits = x.float() @ self.weight.float().t()  # [N, E] fp32
+        weights, experts, scores, cutoff = route(logits, self.e_score_correction_bias, self.top_k, self.scaling)
+        return Routing(experts=experts, weights=weights, scores=scores, cutoff=cutoff)
