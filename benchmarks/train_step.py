@@ -22,7 +22,8 @@ summary line gives the time ratio ours/fla per step and per phase (< 1: ours is 
 Per-phase times (forward, backward, optimizer, QB) come
 from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
 prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
-kernels grouped by kind and the top kernels by GPU time. FLOPs come
+kernels grouped by kind and the top kernels by GPU time, and (eager runs) the GPU time and kernels
+of each module path, forward and backward (``k3train.training.module_time``). FLOPs come
 from ``k3train.training.flops`` (KDA, MLA and active-expert aware), so MFU here is the same
 figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s) and against
 the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). ``--recompute`` applies an
@@ -41,6 +42,7 @@ references), with host-clock phase times and no MFU: a smoke run, not a measurem
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -57,6 +59,7 @@ from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
 from k3train.precision.main_params import MainParams
 from k3train.training.flops import train_flops_per_token
+from k3train.training.module_time import format_table, module_ranges, time_by_module
 from k3train.training.recompute import apply_recompute
 
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
@@ -323,7 +326,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
               f"{rows[0]['step_ms'] / c['step_ms']:.2f}x eager", flush=True)
         rows.append(c)
     if args.profile and cuda:
-        rows[-1]["profile"] = profile(step)
+        rows[-1]["profile"] = profile(step, None if args.compile else model)
     del model, main, grads, opt, moe, step
     gc.collect()
     if cuda:
@@ -342,13 +345,15 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "elementwise/other")
 
 
-def profile(step) -> dict:
-    """Two profiled steps: wall time, GPU busy time, kernel count, time by kernel kind, top kernels."""
+def profile(step, model: torch.nn.Module | None) -> dict:
+    """Two profiled steps: wall time, GPU busy time, kernel count, time by kernel kind, top kernels; with
+    an eager ``model``, also GPU time and kernels by module, forward and backward (module_time.py)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    ranges = module_ranges(model) if model is not None else contextlib.nullcontext()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, ranges:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
@@ -371,8 +376,14 @@ def profile(step) -> dict:
     print("top kernels (ms and launches per step):")
     for name, (ms, launches) in top[:30]:
         print(f"  {ms:8.2f} {launches:6.0f}x  {name[:110]}")
-    return {"wall_ms": wall_ms, "gpu_busy_ms": busy_ms, "kernels_per_step": len(kernels) // 2,
-            "by_kind_ms": by_kind, "kernels_ms_launches": dict(top)}
+    result = {"wall_ms": wall_ms, "gpu_busy_ms": busy_ms, "kernels_per_step": len(kernels) // 2,
+              "by_kind_ms": by_kind, "kernels_ms_launches": dict(top)}
+    if model is not None:
+        result["by_module"] = by_module = {
+            path: {k: v / 2 for k, v in row.items()}
+            for path, row in time_by_module(prof.events(), device=True, labels=("Optimizer.step#",)).items()}
+        print(format_table(by_module, device=True))
+    return result
 
 
 if __name__ == "__main__":

@@ -86,7 +86,6 @@ class Trainer:
             set_collective_timeout([g.tp, g.dp, g.ep, g.expert_dp, g.cp, g.dp_cp, g.pp, g.tp_ep_pp],
                                    t.collective_timeout_s)
         self.writer = CheckpointWriter(asynchronous=t.async_save)
-        self.profiler = StepProfiler(Path(t.out_dir), list(t.profile_steps), self.device, self.groups.rank)
         self.run_dir = Path(t.out_dir)
         self.lock = RunDirLock(self.run_dir)
         self._claim_run_dir()
@@ -117,6 +116,9 @@ class Trainer:
             from k3train.training.compile import compile_layers
 
             compile_layers(self.model)
+        # the by-module profile hooks every module's forward: eager models only
+        self.profiler = StepProfiler(self.run_dir, list(t.profile_steps), self.device, self.groups.rank,
+                                     None if t.compile else self.model)
         self.moe_layer_ids = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe(i)]  # all stages'
         self.local_moe_rows = [r for r, i in enumerate(self.moe_layer_ids)
                                if not isinstance(self.model.layers[i], OnAnotherStage)]

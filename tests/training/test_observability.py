@@ -31,3 +31,8 @@ def test_muon_qk_clip_phases_and_profile(tmp_path):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert set(PHASES) <= names, "the phases are labelled ranges in the trace"
     assert any(str(n).startswith("aten::mm") for n in names), "the trace holds the step's operators"
+    by_module = json.loads((tmp_path / "profile" / "by_module_rank0_steps2-2.json").read_text())
+    for path in ("K3Layer/KimiDeltaAttention", "K3Layer/LatentMoE", "optimizer"):
+        row = by_module[path]
+        assert row["fwd_ms"] + row["bwd_ms"] > 0, (path, row)
+    assert by_module["K3Layer/KimiDeltaAttention"]["bwd_n"] > 0, "the backward is charged to its module"
