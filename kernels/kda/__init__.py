@@ -9,6 +9,7 @@ See docs/kda_notes.md for the design and measured numbers.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -30,6 +31,28 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError("kda: " + msg)
+
+
+# cu_seqlens tensors whose values were checked: id -> (weak reference, version, T, values). The model
+# passes one cu_seqlens tensor to every KDA layer of a forward; only the first reads it back.
+_CHECKED: dict[int, tuple[weakref.ref, int, int, tuple[int, ...]]] = {}
+
+
+def _checked_offsets(cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """The values of ``cu_seqlens`` (0 = c_0 < c_1 < … < c_N = T) as a list, checked. Read back once
+    per tensor and version (a host sync for a device tensor), then remembered."""
+    hit = _CHECKED.get(id(cu_seqlens))
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version and hit[2] == T:
+        return list(hit[3])
+    cu = cu_seqlens.tolist()
+    _check(cu[0] == 0, f"cu_seqlens must start at 0, got {cu[0]}")
+    _check(all(b > a for a, b in zip(cu[:-1], cu[1:])), "cu_seqlens must be strictly increasing")
+    _check(cu[-1] == T, f"cu_seqlens must end at T = {T}, got {cu[-1]}")
+    if len(_CHECKED) >= 64:  # forget tensors that are gone
+        for key in [key for key, entry in _CHECKED.items() if entry[0]() is None]:
+            del _CHECKED[key]
+    _CHECKED[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, T, tuple(cu))
+    return cu
 
 
 def validate_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
@@ -80,11 +103,7 @@ def validate_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initia
         _check(cu_seqlens.numel() >= 2, "cu_seqlens needs at least 2 entries")
         N = cu_seqlens.numel() - 1
         if not torch.compiler.is_compiling():  # a compiled graph never reads values back
-            cu = cu_seqlens.tolist()
-            _check(cu[0] == 0, f"cu_seqlens must start at 0, got {cu[0]}")
-            _check(all(b > a for a, b in zip(cu[:-1], cu[1:])),
-                   "cu_seqlens must be strictly increasing")
-            _check(cu[-1] == T, f"cu_seqlens must end at T = {T}, got {cu[-1]}")
+            cu = _checked_offsets(cu_seqlens, T)
     else:
         N = B
     if initial_state is not None:

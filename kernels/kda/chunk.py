@@ -149,6 +149,8 @@ def kda_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
                     BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
                     DT: tl.constexpr, INV_PREC: tl.constexpr):
     i_c, i_h, bos, ln = _chunk_program(chunk_seq, chunk_bos, cu)
+    if ln <= 0:  # an empty slot past the last packed document: no scan reads it
+        return
     qs, kn, gate, bb, rq, rk = _load_chunk_inputs(
         q, k, g, beta, A_log, dt_bias, bos, ln, i_h, lower_bound, scale, H, K, C, BK, USE_L2)
     r = tl.arange(0, C)
@@ -318,6 +320,8 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
     in key blocks of BKL, to the pre-norm gradients that phase 2 left in an fp32 scratch
     [2C, BK].  Prep supplies k e^G, G_ref, G_C, 1/|q|, 1/|k| and beta."""
     i_c, i_h, bos, ln = _chunk_program(chunk_seq, chunk_bos, cu)
+    if ln <= 0:  # an empty slot past the last packed document: no token, partial sums zeroed after
+        return
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
     rv = r < ln
@@ -484,14 +488,12 @@ def chunk_capacity(T: int, N: int, seq_len: int | None) -> int:
     return T // CHUNK + N
 
 
-def _chunk_tables(cu: torch.Tensor, C: int, seq_len=None, rows: int | None = None):
-    """cu: int64 [N+1] on device.  Returns chunk_seq, chunk_bos (int32 [NC]), chunk_off
-    (int32 [N+1]) and NC.  With equal lengths (seq_len given) no host sync is needed.  Packed
-    documents: NC is the exact chunk count, read back to the host (one sync; the eager path), or
-    ``rows``, ``chunk_capacity``'s bound known from shapes (no sync; the custom op that
-    ``torch.compile`` traces): the documents fill the first Σ_n ⌈len_n/C⌉ slots, the rest are
-    empty chunks (chunk_bos at or past the end of the last document), which the per-chunk kernels
-    mask out token by token."""
+def _chunk_tables(cu: torch.Tensor, C: int, seq_len: int | None, rows: int):
+    """cu: int64 [N+1] on device, ``rows`` = ``chunk_capacity``.  Returns chunk_seq, chunk_bos
+    (int32 [rows]), chunk_off (int32 [N+1]) and rows, from shapes alone (no host sync).  Equal
+    lengths (seq_len given): every slot is a chunk.  Packed documents: the documents fill the
+    first Σ_n ⌈len_n/C⌉ slots, the rest are empty chunks (chunk_bos at or past the end of the
+    last document), whose programs return at once in the per-chunk kernels."""
     N = cu.numel() - 1
     if seq_len is not None:
         nt = (seq_len + C - 1) // C
@@ -501,16 +503,6 @@ def _chunk_tables(cu: torch.Tensor, C: int, seq_len=None, rows: int | None = Non
         off = torch.arange(N + 1, device=cu.device, dtype=torch.int32) * nt
         return seq, bos, off, N * nt
     lens = cu[1:] - cu[:-1]
-    if rows is None:
-        nch = (lens + C - 1) // C
-        off = torch.zeros(cu.numel(), dtype=torch.int64, device=cu.device)
-        off[1:] = torch.cumsum(nch, 0)
-        NC = int(off[-1].item())
-        seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), nch,
-                                      output_size=NC)
-        idx = torch.arange(NC, device=cu.device) - off[seq]
-        bos = cu[seq] + idx * C
-        return seq.to(torch.int32), bos.to(torch.int32), off.to(torch.int32), NC
     off = torch.cat([cu.new_zeros(1), torch.cumsum((lens + C - 1) // C, 0)])
     idx = torch.arange(rows, device=cu.device)
     seq = torch.searchsorted(off[1:], idx, right=True).clamp_(max=N - 1)
@@ -547,9 +539,9 @@ def _scan_launch(N, H, V, dev):
 
 
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2,
-            output_final_state, seq_len=None, padded=False):
-    """``padded``: size the per-chunk buffers by ``chunk_capacity`` (no host sync, shapes known to
-    torch.compile) instead of the exact chunk count of packed documents."""
+            output_final_state, seq_len=None):
+    """The per-chunk buffers have ``chunk_capacity`` rows, known from shapes: no host sync (eager or
+    under torch.compile), at the cost of up to N empty chunk slots for N packed documents."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
@@ -557,8 +549,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     BV = _pick(V, "bwd_bv")
     dev = q.device
     N = cu.numel() - 1
-    rows = chunk_capacity(B * T, N, seq_len) if padded else None
-    seq, bos, off, NC = _chunk_tables(cu, C, seq_len, rows)
+    seq, bos, off, NC = _chunk_tables(cu, C, seq_len, chunk_capacity(B * T, N, seq_len))
     SBV, s_warps, s_stages = _scan_launch(N, H, V, dev)
     DT = _dot_dtype(q)
     Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs = _chunk_buffers(q, v, NC)
@@ -595,8 +586,9 @@ def _chunk_buffers(q: torch.Tensor, v: torch.Tensor, NC: int) -> tuple[torch.Ten
 
 
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved,
-            do, dht, padded=False):
-    """``padded``: the forward ran with ``padded`` (chunk slots past the last document are empty)."""
+            do, dht, packed):
+    """``packed``: the forward had packed documents (``seq_len`` None), so chunk slots past the
+    last document may be empty."""
     Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs, seq, bos, off, cu32 = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -644,7 +636,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, BKL=BKL, USE_L2=use_l2,
                             DT=DT, GP=GP, GPREC=GPREC, INV_PREC=CONFIG["bwd_inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
-    if padded:  # chunk slots past the last document are empty: their partial sums are not written
+    if packed:  # chunk slots past the last document are empty: their partial sums are not written
         real = (torch.arange(NC, device=dev) < off[-1])[:, None]
         dA_part = torch.where(real, dA_part, 0.0)
         ddt_part = torch.where(real[:, :, None], ddt_part, 0.0)
@@ -660,19 +652,19 @@ class KDAFunction(torch.autograd.Function):
         o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                initial_state, cu, use_l2, output_final_state, seq_len)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *saved)
-        ctx.meta = (lower_bound, scale, initial_state is not None, use_l2)
+        ctx.meta = (lower_bound, scale, initial_state is not None, use_l2, seq_len is None)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, *saved = ctx.saved_tensors
-        lower_bound, scale, has_h0, use_l2 = ctx.meta
+        lower_bound, scale, has_h0, use_l2, packed = ctx.meta
         dq, dk, dv, dg, db, dA_log, ddt, dh0 = kda_bwd(
-            q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht)
+            q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht, packed)
         return dq, dk, dv, dg, db, dA_log, ddt, dh0, None, None, None, None, None, None
 
 
-# Under torch.compile: the same kernels as custom ops, with chunk buffers sized from shapes (padded).
+# Under torch.compile: the same kernels as custom ops (fake shapes: the chunk buffers' rows come from shapes).
 @torch.library.custom_op("k3::kda", mutates_args=())
 def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
          A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor], cu: torch.Tensor,
@@ -680,7 +672,7 @@ def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The Triton forward: (o, the final state or an empty tensor, the buffers for backward)."""
     o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, cu, use_l2,
-                           output_final_state, seq_len, padded=True)
+                           output_final_state, seq_len)
     return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32), list(saved)
 
 
@@ -700,34 +692,35 @@ def _kda_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, 
 @torch.library.custom_op("k3::kda_backward", mutates_args=())
 def _kda_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   A_log: torch.Tensor, dt_bias: torch.Tensor, saved: list[torch.Tensor], do: torch.Tensor,
-                  dht: Optional[torch.Tensor], lower_bound: float, scale: float, has_h0: bool, use_l2: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                  dht: Optional[torch.Tensor], lower_bound: float, scale: float, has_h0: bool, use_l2: bool,
+                  packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v, g, beta, A_log, dt_bias and the initial state (empty without one)."""
     *grads, dh0 = kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht,
-                          padded=True)
+                          packed)
     return *grads, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_kda_backward.register_fake
-def _kda_backward_fake(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, lower_bound, scale, has_h0, use_l2):
+def _kda_backward_fake(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, lower_bound, scale, has_h0, use_l2,
+                       packed):
     N, (_, _, H, K), V = saved[-1].shape[0] - 1, q.shape, v.shape[-1]
     dh0 = q.new_empty((N, H, K, V) if has_h0 else (0,), dtype=torch.float32)
     return (*(torch.empty_like(t) for t in (q, k, v, g, beta)), A_log.new_empty(H), dt_bias.new_empty(H * K), dh0)
 
 
 def _kda_setup(ctx, inputs, output):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, _, lower_bound, scale, use_l2, *_ = inputs
+    q, k, v, g, beta, A_log, dt_bias, initial_state, _, lower_bound, scale, use_l2, _, seq_len = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *output[2])
-    ctx.meta = (lower_bound, scale, initial_state is not None, use_l2)
+    ctx.meta = (lower_bound, scale, initial_state is not None, use_l2, seq_len is None)
 
 
 def _kda_grad(ctx, do, dht, _saved_grads):
     q, k, v, g, beta, A_log, dt_bias, *saved = ctx.saved_tensors
-    lower_bound, scale, has_h0, use_l2 = ctx.meta
+    lower_bound, scale, has_h0, use_l2, packed = ctx.meta
     dht = dht if dht is not None and dht.numel() else None
     *grads, dh0 = _kda_backward(q, k, v, g, beta, A_log, dt_bias, saved, do.contiguous(), dht, lower_bound,
-                                scale, has_h0, use_l2)
+                                scale, has_h0, use_l2, packed)
     return *grads, dh0 if has_h0 else None, None, None, None, None, None, None
 
 
@@ -748,10 +741,10 @@ def kda_triton(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None
                initial_state=None, output_final_state=False, cu_seqlens=None,
                use_qk_l2norm=True, validate=True):
     """Triton KDA (same contract as kernels.kda.kda).  Works on CUDA tensors, and on CPU
-    tensors under TRITON_INTERPRET=1 (tests).  Eagerly ``KDAFunction`` (packed documents: one
-    host sync for the exact chunk count); under ``torch.compile`` one ``torch.library`` custom op
-    (``k3::kda``, its backward ``k3::kda_backward``) with fake shapes and chunk buffers sized from
-    shapes: no host sync, and inductor keeps it inside its graphs."""
+    tensors under TRITON_INTERPRET=1 (tests).  Eagerly ``KDAFunction``; under ``torch.compile``
+    one ``torch.library`` custom op (``k3::kda``, its backward ``k3::kda_backward``) with fake
+    shapes, which inductor keeps inside its graphs.  Either way the chunk buffers are sized from
+    shapes (``chunk_capacity``): no host sync, also for packed documents."""
     if validate:
         from . import validate_inputs
         validate_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,

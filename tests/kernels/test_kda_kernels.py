@@ -269,6 +269,55 @@ def test_triton_interpreter_repeated_keys():
         assert rel(g1[n], g2[n]) < 1e-4, (n, rel(g1[n], g2[n]))
 
 
+def _count_reads(monkeypatch) -> list[str]:
+    """Every Tensor.item / Tensor.tolist call from now on (a host sync for a device tensor)."""
+    reads: list[str] = []
+    for name in ("item", "tolist"):
+        def counted(self, *a, _orig=getattr(torch.Tensor, name), _name=name):
+            reads.append(_name)
+            return _orig(self, *a)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+def test_triton_interpreter_packed_documents_read_nothing_back(monkeypatch):
+    """Packed documents: the chunk tables and buffers are sized from shapes (chunk_capacity; here 3
+    chunks in 70 // 32 + 3 = 5 slots), so neither the forward nor the backward reads a value back;
+    the empty slots' programs return at once."""
+    if "triton" in sys.modules and not _interpreter_usable():
+        pytest.skip("covered in a subprocess by test_triton_interpreter_matches_recurrent")
+    mod = _triton_module(interpret=True)
+    xs = make_inputs(1, 70, 2, 16, 16, N=3, seed=11)
+    cu = torch.tensor([0, 32, 64, 70])
+    reads = _count_reads(monkeypatch)
+    o1, s1, g1 = run_and_grad(lambda *a, **kw: mod.kda_triton(*a, validate=False, **kw), xs, cu, True)
+    assert reads == []
+    monkeypatch.undo()
+    o2, s2, g2 = ref64(xs, cu, True)
+    assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5
+    for n in g2:
+        assert rel(g1[n], g2[n]) < 1e-4, (n, rel(g1[n], g2[n]))
+
+
+def test_cu_seqlens_values_are_read_once_per_tensor(monkeypatch):
+    """The model passes one cu_seqlens to every KDA layer: only the first call reads it back (a host
+    sync on the GPU); an in-place change is read and checked again."""
+    from kernels.kda import validate_inputs
+    xs = make_inputs(1, 12, 2, 16, 16, seed=12)
+    cu = torch.tensor([0, 5, 12])
+    reads = _count_reads(monkeypatch)
+    assert validate_inputs(*xs[:7], -5.0, None, None, cu) == (2, [0, 5, 12])
+    assert validate_inputs(*xs[:7], -5.0, None, None, cu) == (2, [0, 5, 12])
+    assert reads == ["tolist"]
+    validate_inputs(*xs[:7], -5.0, None, None, torch.tensor([0, 5, 12]))  # another tensor: read
+    assert reads == ["tolist"] * 2
+    cu[1] = 0
+    with pytest.raises(ValueError, match="strictly increasing"):
+        validate_inputs(*xs[:7], -5.0, None, None, cu)
+    with pytest.raises(ValueError, match="end at T = 11"):  # the same tensor for another T
+        validate_inputs(*(x[:, :11] for x in xs[:5]), *xs[5:7], -5.0, None, None, torch.tensor([0, 5, 12]))
+
+
 def test_triton_interpreter_custom_op_registration():
     """k3::kda's schema, fake shapes (chunk buffers sized by chunk_capacity from shapes alone) and
     autograd registration, which torch.compile relies on, agree with the kernels: packed documents
