@@ -28,8 +28,10 @@ class AttnResAggregator(nn.Module):
 
     def __init__(self, dim: int):
         super().__init__()
-        self.proj = set_role(nn.Parameter(torch.zeros(1, dim)), ParamRole(Kind.PSEUDO_QUERY))
-        self.norm = set_role(nn.Parameter(torch.ones(dim)), ParamRole(Kind.NORM))
+        # fp32 also with bf16 parameters: the aggregation is fp32 (w ⊙ γ is formed in fp32), so a bf16 copy
+        # would cost two casts forward and two backward per site
+        self.proj = set_role(nn.Parameter(torch.zeros(1, dim)), ParamRole(Kind.PSEUDO_QUERY, keep_fp32=True))
+        self.norm = set_role(nn.Parameter(torch.ones(dim)), ParamRole(Kind.NORM, keep_fp32=True))
 
     def forward(self, sources: list[torch.Tensor], out_norm: nn.Module) -> torch.Tensor:
         """S sources [B, T, d] → out_norm(Agg(sources)) [B, T, d]."""

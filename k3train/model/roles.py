@@ -52,7 +52,8 @@ class ParamRole:
     ep_partition_dim: int | None = None
     # Held in fp32 by the model also when its parameters are bf16 (precision.params=bf16;
     # k3train/precision/main_params.py): K3_SPEC §2.2 and §4 mark KDA's A_log, dt_bias,
-    # short-conv weights and o_norm fp32.
+    # short-conv weights and o_norm fp32; the router weight (§2.4, fp32 router) and AttnRes's
+    # pseudo-query and key gain (fp32 aggregation) are kept fp32 to save their casts.
     keep_fp32: bool = False
 
     @property

@@ -39,8 +39,9 @@ class SigmoidRouter(nn.Module):
             raise ValueError(f"top_k={top_k} must be in (0, num_experts={num_experts})")
         self.top_k = top_k
         self.scaling = scaling
+        # fp32 also with bf16 parameters (K3_SPEC §2.4: the router runs in fp32): no cast each forward
         self.weight = set_role(nn.Parameter(torch.empty(num_experts, hidden).normal_(0.0, init_std)),
-                               ParamRole(Kind.MATRIX))
+                               ParamRole(Kind.MATRIX, keep_fp32=True))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:

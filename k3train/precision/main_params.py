@@ -3,8 +3,8 @@
 With ``precision.params=bf16`` each trainable parameter ``p`` of the model is held twice:
 
     p        the compute copy that forward and backward read: bf16, except where the parameter's role
-             says ``keep_fp32`` (K3_SPEC §2.2/§4: KDA's A_log, dt_bias, short-conv weights, o_norm),
-             which stay fp32;
+             says ``keep_fp32`` (K3_SPEC §2.2/§4: KDA's A_log, dt_bias, short-conv weights, o_norm; the
+             fp32 router's weight; AttnRes's pseudo-query and key gain), which stay fp32;
     main(p)  an fp32 ``nn.Parameter`` with ``p``'s role (``main_param``): what the optimizer steps,
              QK-clip rescales, checkpoints save and load, and gradient clipping sees the gradient of.
 

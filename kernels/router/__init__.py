@@ -38,6 +38,7 @@ class _Route(torch.autograd.Function):
         from .triton_router import route_forward
         weights, experts, scores, cutoff = route_forward(logits, bias, top_k, scaling)
         ctx.mark_non_differentiable(experts, scores, cutoff)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the three outputs without one
         ctx.save_for_backward(experts, scores)
         ctx.scaling = scaling
         return weights, experts, scores, cutoff
@@ -46,6 +47,8 @@ class _Route(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dweights, dexperts, dscores, dcutoff):
         from .triton_router import route_backward
+        if dweights is None:
+            return None, None, None, None
         experts, scores = ctx.saved_tensors
         return route_backward(dweights, experts, scores, ctx.scaling), None, None, None
 
