@@ -28,11 +28,13 @@ class ExpertLoad(nn.Module):
         self.computed = 0  # rows
 
     @torch.no_grad()
-    def add(self, tokens_per_expert: torch.Tensor, rows: int) -> None:
-        """Count one micro-batch's routed token copies [E] and the ``rows`` its expert GEMMs ran."""
-        counts = tokens_per_expert.float()
-        self.tokens += counts
-        torch.maximum(self.worst, counts.max() / counts.mean().clamp(min=1e-9), out=self.worst)
+    def add(self, tokens_per_expert: torch.Tensor, copies: int, rows: int) -> None:
+        """Count one micro-batch's routed token copies [E] (``copies`` = N·k of them: their mean per
+        expert is copies / E, known on the host) and the ``rows`` its expert GEMMs ran. Four small
+        kernels: the add, the max, its scaling by E / copies, the maximum into ``worst``."""
+        self.tokens += tokens_per_expert  # int64 counts added into fp32 (exact below 2^24 per expert)
+        if copies:
+            torch.maximum(self.worst, tokens_per_expert.max() * (tokens_per_expert.numel() / copies), out=self.worst)
         if not torch.compiler.is_compiling():
             self.computed += rows
 

@@ -169,7 +169,7 @@ class LatentMoE(nn.Module):
         z = self.tp.copy_to_tp(self.routed_expert_down_proj(x))
         grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts)
         if observe:
-            self.load.add(handle.tokens_per_expert, grouped.shape[0])
+            self.load.add(handle.tokens_per_expert, routing.experts.numel(), grouped.shape[0])
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
         y = self.experts(grouped, tokens_per_expert, *self.dispatcher.expert_stacks(self.experts, handle))
         u = self.dispatcher.combine(y, self.tp.copy_to_tp(routing.weights), handle)

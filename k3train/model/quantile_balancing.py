@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.qb_histogram import histogram_add
+
 
 def target_load(num_tokens, top_k: int, num_experts: int):
     return num_tokens * top_k / num_experts
@@ -93,14 +95,11 @@ class QuantileBalancer(nn.Module):
     @torch.no_grad()
     def observe(self, scores: torch.Tensor, cutoff: torch.Tensor, bias: torch.Tensor) -> None:
         """scores [N, n] raw sigmoid, cutoff [N]: accumulate r = α − s of this micro-batch."""
-        r = cutoff.unsqueeze(1) - scores
         self.observed = True
         if self.estimator == "exact":
-            self._keep(r)
+            self._keep(cutoff.unsqueeze(1) - scores)
             return
-        lo, width = self._grid(bias)
-        idx = ((r - lo) / width).floor().long().clamp_(0, self.bins - 1)  # [N, n]
-        self.counts.scatter_add_(1, idx.t(), torch.ones_like(idx.t()))
+        histogram_add(self.counts, scores, cutoff, *self._grid(bias))  # one fused kernel on the GPU
 
     @torch.no_grad()
     def update(self, bias: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
