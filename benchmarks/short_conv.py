@@ -4,7 +4,8 @@
 
 One process, one GPU, bench-1B shapes by default (2×4096 tokens, C = 3·8·128 = 3072 channels of
 q, k and v, W = 4, bf16 x, fp32 weight, documents of 1..2048 tokens packed into the rows). For each
-backend ("triton": the kernels; "torch": ``reference.causal_conv_forward`` under autograd):
+backend ("triton": the kernels; "torch": ``reference.causal_conv_forward`` under autograd), with the
+SiLU that follows the conv in KDA (fused in the kernels; ``--conv-only`` for the conv alone):
 forward and forward+backward time (median of ``triton.testing.do_bench``), the bytes an ideal
 pass moves (forward: x read, out written; backward: x and g read, dx written; bf16) as GB/s, and
 the memory autograd holds after the forward beyond the output and the inputs. Before timing, the
@@ -44,11 +45,11 @@ def inputs(tokens: int, channels: int, width: int, device: str, seed: int):
     return [t.to(device) for t in (x, weight, torch.stack(rows), go)]
 
 
-def measure(x, weight, pos, go, backend: str, device: str, warmup: int, rep: int) -> dict:
+def measure(x, weight, pos, go, backend: str, silu: bool, device: str, warmup: int, rep: int) -> dict:
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
 
     def fwd():
-        return causal_conv_with_resets(x, weight, pos, backend=backend)
+        return causal_conv_with_resets(x, weight, pos, silu, backend=backend)
 
     def fwd_bwd():
         torch.autograd.grad(fwd(), (x, weight), go)
@@ -62,12 +63,12 @@ def measure(x, weight, pos, go, backend: str, device: str, warmup: int, rep: int
             "fwd_bwd_GBps": 5 * size / t_fb / 1e6, "held_MiB": held}
 
 
-def check(x, weight, pos, go) -> None:
+def check(x, weight, pos, go, silu: bool) -> None:
     """The kernel's out, dx and dweight against the torch reference, before anything is timed."""
     res = {}
     for backend in ("triton", "torch"):
         xl, wl = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = causal_conv_with_resets(xl, wl, pos, backend=backend)
+        out = causal_conv_with_resets(xl, wl, pos, silu, backend=backend)
         res[backend] = (out.detach(), *torch.autograd.grad(out, (xl, wl), go))
     for name, k, t in zip(("out", "dx", "dweight"), res["triton"], res["torch"]):
         err = float((k.float() - t.float()).abs().max() / t.float().abs().max())
@@ -82,16 +83,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--small", action="store_true", help="2×40 tokens, 200 channels, 2 reps: a dry run")
+    p.add_argument("--conv-only", action="store_true", help="the conv without the SiLU that follows it in KDA")
     p.add_argument("--json", default="short_conv_bench.json")
     args = p.parse_args()
     if args.small:
         args.tokens, args.channels, args.warmup, args.rep = 80, 200, 1, 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x, weight, pos, go = inputs(args.tokens, args.channels, args.width, device, seed=0)
-    check(x, weight, pos, go)
-    rows = [measure(x, weight, pos, go, b, device, args.warmup, args.rep) for b in ("torch", "triton")]
+    silu = not args.conv_only
+    check(x, weight, pos, go, silu)
+    rows = [measure(x, weight, pos, go, b, silu, device, args.warmup, args.rep) for b in ("torch", "triton")]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"short conv, {args.tokens} tokens, C={args.channels}, W={args.width}, bf16 x, {name}")
+    print(f"short conv{' + SiLU' if silu else ''}, {args.tokens} tokens, C={args.channels}, W={args.width}, "
+          f"bf16 x, {name}")
     print(f"{'backend':>7} {'fwd ms':>8} {'fwd GB/s':>9} {'f+b ms':>8} {'f+b GB/s':>9} {'held MiB':>9} "
           f"{'f+b speedup':>11}")
     for r in rows:
@@ -101,7 +105,7 @@ def main() -> None:
               f"{r['fwd_bwd_GBps']:>9.0f} {held:>9} {r['fwd_bwd_speedup_vs_torch']:>10.2f}x")
     with open(args.json, "w") as f:
         json.dump({"device": name, "tokens": args.tokens, "channels": args.channels, "width": args.width,
-                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+                   "silu": silu, "torch": torch.__version__, "rows": rows}, f, indent=1)
     print(f"wrote {args.json}")
 
 

@@ -20,9 +20,9 @@ before (``k3train.parallel.context_parallel``).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.kda import kda as kda_op
@@ -95,11 +95,11 @@ class KimiDeltaAttention(nn.Module):
         # q, k, v through one depthwise conv (their channels side by side)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         weight = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d])
-        if shard is None:
-            qkv = causal_conv_with_resets(qkv, weight, pos)
+        if shard is None:  # the conv and its SiLU in one kernel
+            qkv = causal_conv_with_resets(qkv, weight, pos, silu=True)
         else:
-            qkv = causal_conv_context_parallel(qkv, weight, pos, shard, causal_conv_with_resets)
-        q, k, v = F.silu(qkv).view(B, T, 3, H, h).unbind(2)
+            qkv = causal_conv_context_parallel(qkv, weight, pos, shard, partial(causal_conv_with_resets, silu=True))
+        q, k, v = qkv.view(B, T, 3, H, h).unbind(2)
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, h)
         b = self.b_proj(x).view(B, T, H)
         A_log, dt_bias = self.A_log.float(), self.dt_bias.float()

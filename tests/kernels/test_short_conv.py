@@ -51,11 +51,16 @@ def random_inputs(B: int, T: int, C: int, W: int, seed: int):
     return x, weight, pos, go
 
 
-def _abs_bounds(x, weight, pos, go):
-    """Elementwise bounds Σ|terms| of out, dx and dweight (the reference on absolute values)."""
+def _abs_bounds(x, weight, pos, go, silu=False):
+    """Elementwise bounds Σ|terms| of out, dx and dweight (the reference on absolute values). With SiLU
+    (|SiLU'| ≤ 1.1, |SiLU''| ≤ 0.5): the conv's bounds times 1.1, and the gradients' also for the
+    error of the recomputed conv, |g|·0.5·Σ|terms of a|, through the same sums."""
     out = R.causal_conv_forward(x.abs(), weight.abs(), pos)
     dx, dw = R.causal_conv_backward(x.abs(), weight.abs(), pos, go.abs())
-    return out, dx, dw
+    if not silu:
+        return out, dx, dw
+    dx2, dw2 = R.causal_conv_backward(x.abs(), weight.abs(), pos, go.abs() * 0.5 * out)
+    return 1.1 * out, 1.1 * dx + dx2, 1.1 * dw + dw2
 
 
 def _assert_near(got, want, bound, dtype, what):
@@ -72,12 +77,13 @@ def _assert_near(got, want, bound, dtype, what):
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("W", [1, 2, 4])
-def test_reference_backward_matches_autograd(W):
+@pytest.mark.parametrize("silu", [False, True])
+def test_reference_backward_matches_autograd(W, silu):
     x, weight, pos, go = random_inputs(3, 11, 5, W, seed=W)
     xl, wl = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = R.causal_conv_forward(xl, wl, pos)
+    out = R.causal_conv_forward(xl, wl, pos, silu)
     out.backward(go)
-    dx, dw = R.causal_conv_backward(x, weight, pos, go)
+    dx, dw = R.causal_conv_backward(x, weight, pos, go, silu)
     torch.testing.assert_close(dx, xl.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dw, wl.grad, rtol=1e-12, atol=1e-12)
     assert out.dtype == torch.float64
@@ -121,21 +127,24 @@ def test_errors():
 # ----------------------------------------------------------------------------------------------
 
 @triton_cpu
-@pytest.mark.parametrize("B, T, C, W, dtype", [(2, 13, 96, 4, torch.float32), (2, 19, 200, 4, torch.bfloat16),
-                                               (1, 21, 200, 2, torch.float32), (2, 9, 96, 1, torch.bfloat16)])
-def test_triton_kernels(B, T, C, W, dtype):
-    """T off the row block of 8, C off the channel block of 64 (96 = 1.5 blocks, 200 = 3.1)."""
+@pytest.mark.parametrize("B, T, C, W, dtype, silu", [
+    (2, 13, 96, 4, torch.float32, False), (2, 19, 200, 4, torch.bfloat16, False),
+    (1, 21, 200, 2, torch.float32, False), (2, 9, 96, 1, torch.bfloat16, False),
+    (2, 13, 96, 4, torch.float32, True), (2, 19, 200, 4, torch.bfloat16, True), (1, 9, 96, 1, torch.float32, True)])
+def test_triton_kernels(B, T, C, W, dtype, silu):
+    """T off the row block of 8, C off the channel block of 64 (96 = 1.5 blocks, 200 = 3.1); with and
+    without the fused SiLU."""
     x, weight, pos, go = random_inputs(B, T, C, W, seed=T + C + W)
     x, go = x.to(dtype).double(), go.to(dtype).double()  # the values the kernel sees
     weight = weight.float().double()
     xl, wl = x.to(dtype).to(DEV).requires_grad_(), weight.float().to(DEV).requires_grad_()
-    out = causal_conv_with_resets(xl, wl, pos.to(DEV), backend="triton")
+    out = causal_conv_with_resets(xl, wl, pos.to(DEV), silu, backend="triton")
     assert type(out.grad_fn).__name__.startswith("_CausalConvWithResets")
     out.backward(go.to(dtype).to(DEV))
     assert out.dtype == xl.grad.dtype == dtype and wl.grad.dtype == torch.float32
-    ref_out = R.causal_conv_forward(x, weight, pos)
-    ref_dx, ref_dw = R.causal_conv_backward(x, weight, pos, go)
-    b_out, b_dx, b_dw = _abs_bounds(x, weight, pos, go)
+    ref_out = R.causal_conv_forward(x, weight, pos, silu)
+    ref_dx, ref_dw = R.causal_conv_backward(x, weight, pos, go, silu)
+    b_out, b_dx, b_dw = _abs_bounds(x, weight, pos, go, silu)
     _assert_near(out, ref_out, b_out, dtype, "out")
     _assert_near(xl.grad, ref_dx, b_dx, dtype, "dx")
     _assert_near(wl.grad, ref_dw, b_dw, torch.float32, "dweight")
@@ -160,13 +169,13 @@ def test_triton_model_equals_reference_path(monkeypatch):
     want, want_grads = loss_and_grads()
     calls = []
 
-    def kernel(x, weight, position_ids):
-        calls.append(x.shape)
-        return causal_conv_with_resets(x, weight, position_ids, backend="triton")
+    def kernel(x, weight, position_ids, silu=False):
+        calls.append((x.shape, silu))
+        return causal_conv_with_resets(x, weight, position_ids, silu, backend="triton")
 
     monkeypatch.setattr(model_kda, "causal_conv_with_resets", kernel)
     got, got_grads = loss_and_grads()
-    assert calls and all(s == (2, 12, 192) for s in calls)
+    assert calls and all(c == ((2, 12, 192), True) for c in calls)  # KDA's conv with its SiLU fused
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got_grads.keys() == want_grads.keys()
     conv_grads = [n for n in want_grads if "conv1d" in n]
@@ -184,7 +193,8 @@ def test_triton_custom_op_registration():
     x = torch.randn(2, 9, 40, generator=g, device="cpu").to(DEV).requires_grad_()
     w = torch.randn(40, 4, generator=g).to(DEV).requires_grad_()
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1]], device=DEV)
-    torch.library.opcheck(torch.ops.k3.short_conv, (x, w, pos))
+    for silu in (False, True):
+        torch.library.opcheck(torch.ops.k3.short_conv, (x, w, pos, silu))
 
 
 def test_triton_cpu_subprocess():
