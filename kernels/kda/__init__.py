@@ -9,10 +9,10 @@ See docs/kda_notes.md for the design and measured numbers.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
+from .memo import TensorMemo
 from .reference import kda_chunked, kda_recurrent
 
 __all__ = ["kda", "kda_chunked", "kda_recurrent", "validate_inputs", "MAX_K", "MAX_V",
@@ -33,26 +33,22 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError("kda: " + msg)
 
 
-# cu_seqlens tensors whose values were checked: id -> (weak reference, version, T, values). The model
-# passes one cu_seqlens tensor to every KDA layer of a forward; only the first reads it back.
-_CHECKED: dict[int, tuple[weakref.ref, int, int, tuple[int, ...]]] = {}
+_CHECKED = TensorMemo()  # cu_seqlens → its checked values (tuple)
 
 
 def _checked_offsets(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """The values of ``cu_seqlens`` (0 = c_0 < c_1 < … < c_N = T) as a list, checked. Read back once
-    per tensor and version (a host sync for a device tensor), then remembered."""
-    hit = _CHECKED.get(id(cu_seqlens))
-    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version and hit[2] == T:
-        return list(hit[3])
-    cu = cu_seqlens.tolist()
-    _check(cu[0] == 0, f"cu_seqlens must start at 0, got {cu[0]}")
-    _check(all(b > a for a, b in zip(cu[:-1], cu[1:])), "cu_seqlens must be strictly increasing")
-    _check(cu[-1] == T, f"cu_seqlens must end at T = {T}, got {cu[-1]}")
-    if len(_CHECKED) >= 64:  # forget tensors that are gone
-        for key in [key for key, entry in _CHECKED.items() if entry[0]() is None]:
-            del _CHECKED[key]
-    _CHECKED[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, T, tuple(cu))
-    return cu
+    per tensor and version (a host sync for a device tensor; the model passes one tensor to all its
+    KDA layers), then remembered."""
+
+    def read() -> tuple[int, ...]:
+        cu = cu_seqlens.tolist()
+        _check(cu[0] == 0, f"cu_seqlens must start at 0, got {cu[0]}")
+        _check(all(b > a for a, b in zip(cu[:-1], cu[1:])), "cu_seqlens must be strictly increasing")
+        _check(cu[-1] == T, f"cu_seqlens must end at T = {T}, got {cu[-1]}")
+        return tuple(cu)
+
+    return list(_CHECKED.get(cu_seqlens, T, read))
 
 
 def validate_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,

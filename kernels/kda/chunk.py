@@ -37,6 +37,7 @@ import triton.language as tl
 from triton.language.standard import _sum_combine
 
 from ..backend import eager_or_compiled
+from .memo import TensorMemo
 
 # Reductions call tl.reduce / tl.associative_scan with the stock sum combiner directly
 # rather than tl.sum / tl.cumsum: identical code on the GPU, and under TRITON_INTERPRET
@@ -320,7 +321,10 @@ def kda_bwd_kernel(q, k, v, g, beta, A_log, dt_bias,
     in key blocks of BKL, to the pre-norm gradients that phase 2 left in an fp32 scratch
     [2C, BK].  Prep supplies k e^G, G_ref, G_C, 1/|q|, 1/|k| and beta."""
     i_c, i_h, bos, ln = _chunk_program(chunk_seq, chunk_bos, cu)
-    if ln <= 0:  # an empty slot past the last packed document: no token, partial sums zeroed after
+    if ln <= 0:  # an empty slot past the last packed document: no token, zero partial sums
+        empty = (i_c * H + i_h).to(tl.int64)
+        tl.store(dA_part + empty, 0.)
+        tl.store(ddt_part + empty * BK + tl.arange(0, BK), tl.zeros([BK], dtype=tl.float32))
         return
     r = tl.arange(0, C)
     ck = tl.arange(0, BK)
@@ -510,6 +514,42 @@ def _chunk_tables(cu: torch.Tensor, C: int, seq_len: int | None, rows: int):
     return seq.to(torch.int32), bos.to(torch.int32), off.to(torch.int32), rows
 
 
+_TABLES = TensorMemo()  # cu (int64, on the device) → its chunk tables and int32 copy
+
+
+def _tables(cu: torch.Tensor, C: int, seq_len: int | None, rows: int):
+    """``_chunk_tables`` and cu as int32, computed once per cu tensor (every KDA layer of a forward
+    gets the same one from ``kda_triton``); directly while torch.compile traces."""
+
+    def make():
+        return (*_chunk_tables(cu, C, seq_len, rows), cu.to(torch.int32))
+
+    if torch.compiler.is_compiling():
+        return make()
+    return _TABLES.get(cu, (C, seq_len, rows), make)
+
+
+_OFFSETS = TensorMemo()  # cu_seqlens → its int64 copy on the device
+_EQUAL_OFFSETS: dict[tuple[int, int, torch.device], torch.Tensor] = {}  # (B, T, device) → [0, T, …, B·T]
+
+
+def _offsets(cu_seqlens: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """Document offsets as int64 on ``device``: ``cu_seqlens``, or every row one sequence of T. The
+    same tensor for every call with the same input, so that ``_tables`` computes once per forward."""
+    if torch.compiler.is_compiling():
+        if cu_seqlens is None:
+            return torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
+        return cu_seqlens.to(device=device, dtype=torch.int64)
+    if cu_seqlens is None:
+        key = (B, T, device)
+        if key not in _EQUAL_OFFSETS:
+            _EQUAL_OFFSETS[key] = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
+        return _EQUAL_OFFSETS[key]
+    if cu_seqlens.dtype == torch.int64 and cu_seqlens.device == device:
+        return cu_seqlens  # (a memo value must not hold its own key alive)
+    return _OFFSETS.get(cu_seqlens, device, lambda: cu_seqlens.to(device=device, dtype=torch.int64))
+
+
 def _dot_dtype(x: torch.Tensor):
     if _interpret() or x.dtype == torch.float32 or x.dtype == torch.float64:
         return tl.float32
@@ -549,11 +589,10 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     BV = _pick(V, "bwd_bv")
     dev = q.device
     N = cu.numel() - 1
-    seq, bos, off, NC = _chunk_tables(cu, C, seq_len, chunk_capacity(B * T, N, seq_len))
+    seq, bos, off, NC, cu32 = _tables(cu, C, seq_len, chunk_capacity(B * T, N, seq_len))
     SBV, s_warps, s_stages = _scan_launch(N, H, V, dev)
     DT = _dot_dtype(q)
     Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs = _chunk_buffers(q, v, NC)
-    cu32 = cu.to(torch.int32)
     kda_prep_kernel[(NC, H)](q, k, v, g, beta, A_log, dt_bias, seq, bos, cu32,
                              Wk, U, Qd, Ke, Kd, M, X, GS, RS, float(lower_bound),
                              float(scale),
@@ -586,9 +625,7 @@ def _chunk_buffers(q: torch.Tensor, v: torch.Tensor, NC: int) -> tuple[torch.Ten
 
 
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved,
-            do, dht, packed):
-    """``packed``: the forward had packed documents (``seq_len`` None), so chunk slots past the
-    last document may be empty."""
+            do, dht):
     Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs, seq, bos, off, cu32 = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -636,10 +673,6 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2
                             H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKE=BKE, BKL=BKL, USE_L2=use_l2,
                             DT=DT, GP=GP, GPREC=GPREC, INV_PREC=CONFIG["bwd_inv_prec"],
                             num_warps=CONFIG["bwd_warps"])
-    if packed:  # chunk slots past the last document are empty: their partial sums are not written
-        real = (torch.arange(NC, device=dev) < off[-1])[:, None]
-        dA_part = torch.where(real, dA_part, 0.0)
-        ddt_part = torch.where(real[:, :, None], ddt_part, 0.0)
     dA_log = dA_part.sum(0)
     ddt = ddt_part.sum(0)[:, :K].reshape(H * K)
     return dq, dk, dv, dg, db, dA_log, ddt, dh0
@@ -652,15 +685,15 @@ class KDAFunction(torch.autograd.Function):
         o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                initial_state, cu, use_l2, output_final_state, seq_len)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *saved)
-        ctx.meta = (lower_bound, scale, initial_state is not None, use_l2, seq_len is None)
+        ctx.meta = (lower_bound, scale, initial_state is not None, use_l2)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, *saved = ctx.saved_tensors
-        lower_bound, scale, has_h0, use_l2, packed = ctx.meta
+        lower_bound, scale, has_h0, use_l2 = ctx.meta
         dq, dk, dv, dg, db, dA_log, ddt, dh0 = kda_bwd(
-            q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht, packed)
+            q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht)
         return dq, dk, dv, dg, db, dA_log, ddt, dh0, None, None, None, None, None, None
 
 
@@ -692,35 +725,33 @@ def _kda_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, lower_bound, 
 @torch.library.custom_op("k3::kda_backward", mutates_args=())
 def _kda_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   A_log: torch.Tensor, dt_bias: torch.Tensor, saved: list[torch.Tensor], do: torch.Tensor,
-                  dht: Optional[torch.Tensor], lower_bound: float, scale: float, has_h0: bool, use_l2: bool,
-                  packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                  dht: Optional[torch.Tensor], lower_bound: float, scale: float, has_h0: bool, use_l2: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v, g, beta, A_log, dt_bias and the initial state (empty without one)."""
-    *grads, dh0 = kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht,
-                          packed)
+    *grads, dh0 = kda_bwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, has_h0, use_l2, saved, do, dht)
     return *grads, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_kda_backward.register_fake
-def _kda_backward_fake(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, lower_bound, scale, has_h0, use_l2,
-                       packed):
+def _kda_backward_fake(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, lower_bound, scale, has_h0, use_l2):
     N, (_, _, H, K), V = saved[-1].shape[0] - 1, q.shape, v.shape[-1]
     dh0 = q.new_empty((N, H, K, V) if has_h0 else (0,), dtype=torch.float32)
     return (*(torch.empty_like(t) for t in (q, k, v, g, beta)), A_log.new_empty(H), dt_bias.new_empty(H * K), dh0)
 
 
 def _kda_setup(ctx, inputs, output):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, _, lower_bound, scale, use_l2, _, seq_len = inputs
+    q, k, v, g, beta, A_log, dt_bias, initial_state, _, lower_bound, scale, use_l2, *_ = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, *output[2])
-    ctx.meta = (lower_bound, scale, initial_state is not None, use_l2, seq_len is None)
+    ctx.meta = (lower_bound, scale, initial_state is not None, use_l2)
 
 
 def _kda_grad(ctx, do, dht, _saved_grads):
     q, k, v, g, beta, A_log, dt_bias, *saved = ctx.saved_tensors
-    lower_bound, scale, has_h0, use_l2, packed = ctx.meta
+    lower_bound, scale, has_h0, use_l2 = ctx.meta
     dht = dht if dht is not None and dht.numel() else None
     *grads, dh0 = _kda_backward(q, k, v, g, beta, A_log, dt_bias, saved, do.contiguous(), dht, lower_bound,
-                                scale, has_h0, use_l2, packed)
+                                scale, has_h0, use_l2)
     return *grads, dh0 if has_h0 else None, None, None, None, None, None, None
 
 
@@ -752,11 +783,7 @@ def kda_triton(q, k, v, g, beta, A_log, dt_bias, *, lower_bound=-5.0, scale=None
     B, T, H, K = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(K)
-    if cu_seqlens is None:
-        cu = torch.arange(0, B + 1, device=q.device, dtype=torch.int64) * T
-        seq_len = T
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
-        seq_len = None
+    cu = _offsets(cu_seqlens, B, T, q.device)
+    seq_len = T if cu_seqlens is None else None
     return _kda_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu, float(lower_bound), float(scale),
                      bool(use_qk_l2norm), bool(output_final_state), seq_len)

@@ -299,6 +299,27 @@ def test_triton_interpreter_packed_documents_read_nothing_back(monkeypatch):
         assert rel(g1[n], g2[n]) < 1e-4, (n, rel(g1[n], g2[n]))
 
 
+def test_triton_interpreter_tables_once_per_cu_seqlens(monkeypatch):
+    """Every KDA layer of a forward gets the same cu_seqlens: its int64 copy and the chunk tables are
+    made for the first call and reused; another tensor, or this one changed in place, gets new ones."""
+    if "triton" in sys.modules and not _interpreter_usable():
+        pytest.skip("covered in a subprocess by test_triton_interpreter_matches_recurrent")
+    mod = _triton_module(interpret=True)
+    made = []
+    make = mod._chunk_tables
+    monkeypatch.setattr(mod, "_chunk_tables", lambda *a: (made.append(a[0]), make(*a))[1])
+    xs = make_inputs(1, 40, 2, 16, 16, N=2, seed=13)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    outs = [mod.kda_triton(*xs[:7], cu_seqlens=cu)[0] for _ in range(3)]
+    assert len(made) == 1 and all(torch.equal(o, outs[0]) for o in outs)
+    mod.kda_triton(*xs[:7], cu_seqlens=cu.clone())
+    assert len(made) == 2
+    cu[1] = 23
+    moved = mod.kda_triton(*xs[:7], cu_seqlens=cu)[0]
+    assert len(made) == 3 and made[-1].tolist() == [0, 23, 40]
+    assert torch.equal(moved, mod.kda_triton(*xs[:7], cu_seqlens=torch.tensor([0, 23, 40]))[0])
+
+
 def test_cu_seqlens_values_are_read_once_per_tensor(monkeypatch):
     """The model passes one cu_seqlens to every KDA layer: only the first call reads it back (a host
     sync on the GPU); an in-place change is read and checked again."""
