@@ -72,10 +72,9 @@ def _modules(event) -> list[str]:
     return path or [a.name[len(ROOT_PREFIX):] for a in chain if a.name.startswith(ROOT_PREFIX)][:1]
 
 
-def time_by_module(events: Iterable, device: bool, depth: int = 3,
-                   labels: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
-    """{module path: {"fwd_ms", "bwd_ms", "fwd_n", "bwd_n"}} over ``events`` (a profiler's
-    ``events()``); n counts kernels (``device``) or ops with their own CPU time. Sorted by total time."""
+def attribute(events: Iterable, labels: tuple[str, ...] = ()) -> Iterator[tuple[object, list[str], str]]:
+    """(op event, module path, "fwd" or "bwd") for every CPU event of a profile (rules in the module
+    docstring); "fwd" is anything outside the backward."""
     events = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     forward_path: dict[tuple[int, int], list[str]] = {}  # (thread, sequence_nr) -> module path
     for e in events:
@@ -83,14 +82,7 @@ def time_by_module(events: Iterable, device: bool, depth: int = 3,
             path = _modules(e)
             if path:
                 forward_path.setdefault((e.thread, e.sequence_nr), path)
-    out: dict[str, dict[str, float]] = defaultdict(lambda: {"fwd_ms": 0.0, "bwd_ms": 0.0, "fwd_n": 0, "bwd_n": 0})
     for e in events:
-        if device:
-            ms, n = sum(k.duration for k in e.kernels) / 1e3, len(e.kernels)
-        else:  # the ranges' own time is the hooks' Python, not the module's ops
-            ms, n = e.self_cpu_time_total / 1e3, int(not e.name.startswith((PREFIX, ROOT_PREFIX)))
-        if n == 0:
-            continue
         chain = list(_ancestors(e))
         node = next((a for a in chain if a.name.startswith(BACKWARD)), e if e.name.startswith(BACKWARD) else None)
         path = _modules(e)
@@ -99,8 +91,22 @@ def time_by_module(events: Iterable, device: bool, depth: int = 3,
         if not path:
             label = next((a.name for a in [e, *chain] if a.name.startswith(labels)), None) if labels else None
             path = [label or OUTSIDE]
+        yield e, path, "bwd" if node is not None else "fwd"
+
+
+def time_by_module(events: Iterable, device: bool, depth: int = 3,
+                   labels: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """{module path: {"fwd_ms", "bwd_ms", "fwd_n", "bwd_n"}} over ``events`` (a profiler's
+    ``events()``); n counts kernels (``device``) or ops with their own CPU time. Sorted by total time."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"fwd_ms": 0.0, "bwd_ms": 0.0, "fwd_n": 0, "bwd_n": 0})
+    for e, path, phase in attribute(events, labels):
+        if device:
+            ms, n = sum(k.duration for k in e.kernels) / 1e3, len(e.kernels)
+        else:  # the ranges' own time is the hooks' Python, not the module's ops
+            ms, n = e.self_cpu_time_total / 1e3, int(not e.name.startswith((PREFIX, ROOT_PREFIX)))
+        if n == 0:
+            continue
         row = out["/".join(path[:depth])]
-        phase = "bwd" if node is not None else "fwd"
         row[f"{phase}_ms"] += ms
         row[f"{phase}_n"] += n
     return dict(sorted(out.items(), key=lambda kv: -(kv[1]["fwd_ms"] + kv[1]["bwd_ms"])))
