@@ -64,5 +64,9 @@ class Documents:
 
     @classmethod
     def single(cls, batch: int, seq: int, device: torch.device | str = "cpu") -> "Documents":
-        pos = torch.arange(seq, device=device).expand(batch, seq)
-        return cls.from_position_ids(pos)
+        """One document per row, built from the shapes alone (``from_position_ids`` reads the document
+        count back from the device: a host sync)."""
+        position_ids = torch.arange(seq, device=device).expand(batch, seq)
+        doc_ids = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
+        cu_seqlens = torch.arange(batch + 1, device=device, dtype=torch.int32) * seq
+        return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=True)

@@ -48,11 +48,10 @@ class K3Model(nn.Module):
         return [m for m in self.modules() if isinstance(m, LatentMoE)]
 
     def documents(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> Documents:
-        if position_ids is None:  # one document per row
-            T = tokens.shape[1]
-            index = torch.arange(T, device=tokens.device) if self.context is None else \
-                self.context.global_index(T, tokens.device)
-            position_ids = index.expand_as(tokens)
+        if position_ids is None and self.context is None:  # one document per row: no host sync
+            return Documents.single(*tokens.shape, device=tokens.device)
+        if position_ids is None:
+            position_ids = self.context.global_index(tokens.shape[1], tokens.device).expand_as(tokens)
         if self.context is None:
             return Documents.from_position_ids(position_ids)
         return Documents.for_shard(position_ids, self.context)

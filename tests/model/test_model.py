@@ -55,6 +55,24 @@ def test_documents_from_position_ids():
     assert not docs.one_per_row
 
 
+def test_single_documents_equal_from_position_ids_without_reading_back(monkeypatch):
+    """One document per row (no position_ids): built from shapes, the same tensors as from explicit
+    positions, with no device value read back; the model's output is the same either way."""
+    want = Documents.from_position_ids(torch.arange(6).expand(3, 6))
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: pytest.fail("read back the document count"))
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda *a, **k: pytest.fail("read back the document count"))
+    got = Documents.single(3, 6)
+    for name in ("position_ids", "doc_ids", "cu_seqlens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+    assert got.one_per_row and want.one_per_row
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    model = K3Model(ModelConfig())
+    tokens = torch.randint(0, 512, (2, 10))
+    assert torch.equal(model(tokens), model(tokens, torch.arange(10).expand(2, 10)))
+
+
 def test_packed_documents_do_not_interact(tiny):
     """Document B packed after A in one row gives the same logits as B alone: KDA state, conv and MLA mask reset."""
     torch.manual_seed(2)
