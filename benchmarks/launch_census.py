@@ -38,7 +38,7 @@ import kernels  # noqa: E402
 from k3train.model.k3 import K3Model  # noqa: E402
 from k3train.parallel.grad_buffers import GradBuffers  # noqa: E402
 from k3train.precision.main_params import MainParams  # noqa: E402
-from k3train.training.module_time import attribute, module_ranges  # noqa: E402
+from k3train.training.module_time import ancestors, attribute, module_ranges  # noqa: E402
 
 NO_KERNEL = set("""as_strided view _unsafe_view reshape _reshape_alias t transpose permute expand expand_as
 unsqueeze squeeze select slice split split_with_sizes chunk narrow unbind alias detach lift_fresh
@@ -74,23 +74,17 @@ def force_triton() -> None:
 def kernel_name(event) -> str | None:
     """The kernel ``event`` stands for on the GPU, or None (no kernel, or one counted elsewhere)."""
     name = event.name
-    ancestors = []
-    parent = event.cpu_parent
-    while parent is not None:
-        ancestors.append(parent.name)
-        parent = parent.cpu_parent
-    if any(a.startswith("triton::") or a in ONE_KERNEL for a in ancestors):
+    outer = [a.name for a in ancestors(event)]
+    if any(a.startswith("triton::") or a in ONE_KERNEL for a in outer):
         return None  # inside an interpreted launch or a CPU-only loop: counted as that one kernel
     if name.startswith("triton::") or name in ONE_KERNEL:
         return name
     if not name.startswith("aten::") or name[6:] in NO_KERNEL:
         return None
-    if name == "aten::fill_" and ancestors and ancestors[0] in REDUCTIONS:
+    if name == "aten::fill_" and outer and outer[0] in REDUCTIONS:
         return None
-    if name == "aten::copy_":
-        outer = next((a for a in ancestors if a not in ("aten::to", "aten::_to_copy")), None)
-        if outer in MIXED:
-            return None
+    if name == "aten::copy_" and next((a for a in outer if a not in ("aten::to", "aten::_to_copy")), None) in MIXED:
+        return None
     return name
 
 

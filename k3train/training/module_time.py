@@ -56,7 +56,8 @@ def module_ranges(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
-def _ancestors(event) -> Iterator:
+def ancestors(event) -> Iterator:
+    """The profiler ranges and ops ``event`` ran inside, innermost first."""
     parent = event.cpu_parent
     while parent is not None:
         yield parent
@@ -67,7 +68,7 @@ def _modules(event) -> list[str]:
     """Module classes of the submodule ranges ``event`` ran in (itself included: a kernel launched
     directly in a module's range, e.g. by Triton, is attached to the range), outermost first; else
     the model's class if it ran in the model's range; else []."""
-    chain = (event, *_ancestors(event))
+    chain = (event, *ancestors(event))
     path = [a.name[len(PREFIX):] for a in chain if a.name.startswith(PREFIX)][::-1]
     return path or [a.name[len(ROOT_PREFIX):] for a in chain if a.name.startswith(ROOT_PREFIX)][:1]
 
@@ -83,7 +84,7 @@ def attribute(events: Iterable, labels: tuple[str, ...] = ()) -> Iterator[tuple[
             if path:
                 forward_path.setdefault((e.thread, e.sequence_nr), path)
     for e in events:
-        chain = list(_ancestors(e))
+        chain = list(ancestors(e))
         node = next((a for a in chain if a.name.startswith(BACKWARD)), e if e.name.startswith(BACKWARD) else None)
         path = _modules(e)
         if not path and node is not None:

@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ..row_tiles import row_tiles
+
 MAX_E = 4096
 GPU_BLOCK_ELEMS = 4096  # elements of one [BLOCK_M, BLOCK_E] tile (untuned)
-INTERPRET_BLOCK_M = 4
 
 
 @triton.jit
@@ -48,12 +49,10 @@ def histogram_add(counts: torch.Tensor, scores: torch.Tensor, cutoff: torch.Tens
     """counts [E, B] int64 contiguous (added into), scores [N, E] fp32 (rows of any stride, last dim
     contiguous), cutoff [N] fp32 contiguous, lo and width 0-d fp32."""
     M, E = scores.shape
-    if E > MAX_E:
-        raise ValueError(f"the Triton QB histogram takes at most {MAX_E} experts, got {E}")
+    block_m, block_e, warps = row_tiles(E, MAX_E, GPU_BLOCK_ELEMS, _interpreted(),
+                                        "the Triton QB histogram's expert count")
     if M == 0:
         return
-    block_e = triton.next_power_of_2(E)
-    block_m = INTERPRET_BLOCK_M if _interpreted() else max(1, GPU_BLOCK_ELEMS // block_e)
     _histogram_kernel[(triton.cdiv(M, block_m),)](scores, cutoff, lo, width, counts, M, E, counts.shape[1],
                                                  scores.stride(0), BLOCK_M=block_m, BLOCK_E=block_e,
-                                                 num_warps=8 if block_m * block_e >= 8192 else 4)
+                                                 num_warps=warps)

@@ -21,10 +21,11 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ..row_tiles import RowTiles, row_tiles
+
 MAX_N = 16384
 GPU_BLOCK_ELEMS = 8192  # elements of one [BLOCK_M, BLOCK_N] tile (untuned)
 GPU_PROGRAMS_PER_SM = 4
-INTERPRET_BLOCK_M = 4  # small tiles in the interpreter, so tests cover several blocks and edges
 INTERPRET_PROGRAMS = 3
 
 
@@ -87,16 +88,8 @@ def _interpreted() -> bool:
     return isinstance(_rms_norm_fwd_kernel, InterpretedFunction)
 
 
-def _blocks(n: int) -> tuple[int, int]:
-    if n > MAX_N:
-        raise ValueError(f"the Triton RMSNorm takes rows of at most {MAX_N} elements, got {n}")
-    block_n = triton.next_power_of_2(n)
-    block_m = INTERPRET_BLOCK_M if _interpreted() else max(1, GPU_BLOCK_ELEMS // block_n)
-    return block_m, block_n
-
-
-def _warps(block_m: int, block_n: int) -> int:
-    return 8 if block_m * block_n >= 8192 else 4
+def _tiles(n: int) -> RowTiles:
+    return row_tiles(n, MAX_N, GPU_BLOCK_ELEMS, _interpreted(), "the Triton RMSNorm's row length")
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None, eps: float,
@@ -106,11 +99,11 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor |
     M, n = x.shape
     y = torch.empty(M, n, dtype=out_dtype, device=x.device)
     r = torch.empty(M, dtype=torch.float32, device=x.device)
-    block_m, block_n = _blocks(n)
+    block_m, block_n, warps = _tiles(n)
     g = x if gate is None else gate  # any pointer when there is no gate
     _rms_norm_fwd_kernel[(triton.cdiv(M, block_m),)](x, weight, g, y, r, M, n, x.stride(0), g.stride(0), y.stride(0),
                                                      eps, HAS_GATE=gate is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                     num_warps=_warps(block_m, block_n))
+                                                     num_warps=warps)
     return y, r
 
 
@@ -119,7 +112,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor 
     """x, dy [M, n] (dy in any float dtype), weight [n], gate [M, n] or None, r [M] → dx [M, n] in x.dtype,
     dw [n] in weight.dtype, dgate [M, n] in gate.dtype (None without a gate)."""
     M, n = x.shape
-    block_m, block_n = _blocks(n)
+    block_m, block_n, warps = _tiles(n)
     if _interpreted():
         programs = INTERPRET_PROGRAMS
     else:
@@ -134,5 +127,5 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor 
     _rms_norm_bwd_kernel[(programs,)](x, weight, g, dy, r, dx, dg, partial, M, n, x.stride(0), g.stride(0),
                                       dy.stride(0), dx.stride(0), dg.stride(0), rows_per_program,
                                       HAS_GATE=gate is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                                      num_warps=_warps(block_m, block_n))
+                                      num_warps=warps)
     return dx, partial.sum(0).to(weight.dtype), dgate

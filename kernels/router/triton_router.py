@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ..row_tiles import RowTiles, row_tiles
+
 MAX_E = 4096
 GPU_BLOCK_ELEMS = 4096  # elements of one [BLOCK_M, BLOCK_E] tile: 32 rows of E=128, 4 rows of E=1024 (untuned)
-INTERPRET_BLOCK_M = 4
 
 
 @triton.jit
@@ -96,16 +97,8 @@ def _interpreted() -> bool:
     return isinstance(_route_fwd_kernel, InterpretedFunction)
 
 
-def _blocks(e: int) -> tuple[int, int]:
-    if e > MAX_E:
-        raise ValueError(f"the Triton router takes at most {MAX_E} experts, got {e}")
-    block_e = triton.next_power_of_2(e)
-    block_m = INTERPRET_BLOCK_M if _interpreted() else max(1, GPU_BLOCK_ELEMS // block_e)
-    return block_m, block_e
-
-
-def _warps(block_m: int, block_e: int) -> int:
-    return 8 if block_m * block_e >= 8192 else 4
+def _tiles(e: int) -> RowTiles:
+    return row_tiles(e, MAX_E, GPU_BLOCK_ELEMS, _interpreted(), "the Triton router's expert count")
 
 
 def route_forward(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -119,12 +112,12 @@ def route_forward(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
     experts = torch.empty(M, top_k, dtype=torch.int64, device=dev)
     scores = torch.empty(M, E, dtype=torch.float32, device=dev)
     cutoff = torch.empty(M, dtype=torch.float32, device=dev)
-    block_m, block_e = _blocks(E)
+    block_m, block_e, warps = _tiles(E)
     block_k = max(2, triton.next_power_of_2(top_k))
     _route_fwd_kernel[(triton.cdiv(M, block_m),)](logits, bias, weights, experts, scores, cutoff, M, E,
                                                  logits.stride(0), logits.stride(1), scaling, K=top_k,
                                                  BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=block_k,
-                                                 num_warps=_warps(block_m, block_e))
+                                                 num_warps=warps)
     return weights, experts, scores, cutoff
 
 
@@ -134,8 +127,8 @@ def route_backward(dweights: torch.Tensor, experts: torch.Tensor, scores: torch.
     (contiguous, from ``route_forward``) → dlogits [M, E] fp32."""
     M, E = scores.shape
     dlogits = torch.empty(M, E, dtype=torch.float32, device=scores.device)
-    block_m, block_e = _blocks(E)
+    block_m, block_e, warps = _tiles(E)
     _route_bwd_kernel[(triton.cdiv(M, block_m),)](dweights, experts, scores, dlogits, M, E, dweights.stride(0),
                                                  dweights.stride(1), scaling, K=experts.shape[1],
-                                                 BLOCK_M=block_m, BLOCK_E=block_e, num_warps=_warps(block_m, block_e))
+                                                 BLOCK_M=block_m, BLOCK_E=block_e, num_warps=warps)
     return dlogits
