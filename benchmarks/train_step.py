@@ -23,7 +23,8 @@ Per-phase times (forward, backward, optimizer, QB) come
 from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
 prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
 kernels grouped by kind and the top kernels by GPU time, and (eager runs) the GPU time and kernels
-of each module path, forward and backward (``k3train.training.module_time``). FLOPs come
+of each module path, forward and backward, then the host time of its ops (their own CPU time:
+dispatch and launch; ``k3train.training.module_time``). FLOPs come
 from ``k3train.training.flops`` (KDA, MLA and active-expert aware), so MFU here is the same
 figure the trainer logs. MFU is reported against the H200 datasheet (989 TFLOP/s) and against
 the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). ``--recompute`` applies an
@@ -358,7 +359,9 @@ def profile(step, model: torch.nn.Module | None) -> dict:
             step()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / 2
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # GPU events, less the module and optimizer ranges that the profiler also mirrors onto the GPU timeline
+    kernels = [e for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / 2
     by_kind: dict[str, float] = {}
     by_name: dict[str, list] = {}  # name -> [ms per step, launches per step]
@@ -378,11 +381,12 @@ def profile(step, model: torch.nn.Module | None) -> dict:
         print(f"  {ms:8.2f} {launches:6.0f}x  {name[:110]}")
     result = {"wall_ms": wall_ms, "gpu_busy_ms": busy_ms, "kernels_per_step": len(kernels) // 2,
               "by_kind_ms": by_kind, "kernels_ms_launches": dict(top)}
-    if model is not None:
-        result["by_module"] = by_module = {
-            path: {k: v / 2 for k, v in row.items()}
-            for path, row in time_by_module(prof.events(), device=True, labels=("Optimizer.step#",)).items()}
-        print(format_table(by_module, device=True))
+    if model is not None:  # GPU kernel time, then host time (ops' own CPU time: dispatch and launch)
+        for key, device in (("by_module", True), ("by_module_host", False)):
+            result[key] = by_module = {
+                path: {k: v / 2 for k, v in row.items()}
+                for path, row in time_by_module(prof.events(), device=device, labels=("Optimizer.step#",)).items()}
+            print(format_table(by_module, device=device))
     return result
 
 

@@ -7,8 +7,8 @@ a[b, t] = Σ_s weight[:, 0, W−1−s] · x[b, t−s] · [position_ids[b, t] ≥
 is a, or SiLU(a) with ``silu`` (fused: no separate activation pass forward or backward), rounded
 once to x's dtype (math and gradients in ``reference.py``). ``backend``:
 
-* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
-* ``"triton"``: the kernels of ``triton_short_conv.py`` (x bf16, fp16 or fp32), one launch
+* ``"auto"``: ``"triton"`` for CUDA tensors with W ≤ ``MAX_TAPS``, ``"torch"`` otherwise;
+* ``"triton"``: the kernels of ``triton_short_conv.py`` (x bf16, fp16 or fp32, W ≤ 4), one launch
   forward and one backward, saving only x, the weight and position_ids; eagerly an
   autograd.Function that launches them directly, under ``torch.compile`` ``torch.library`` custom
   ops (``k3::short_conv`` and its backward) with fake shapes, so that inductor keeps them in its
@@ -25,7 +25,9 @@ from torch.autograd.function import once_differentiable
 from ..backend import eager_or_compiled, use_triton
 from . import reference
 
-__all__ = ["causal_conv_with_resets"]
+__all__ = ["causal_conv_with_resets", "MAX_TAPS"]
+
+MAX_TAPS = 4  # the Triton backward's register window: the widest conv the kernels take
 
 
 class _CausalConvWithResets(torch.autograd.Function):
@@ -104,6 +106,10 @@ def causal_conv_with_resets(x: torch.Tensor, weight: torch.Tensor, position_ids:
             or position_ids.shape != x.shape[:2]:
         raise ValueError(f"short conv takes x [B, T, C], weight [C, 1, W], position_ids [B, T]; got "
                          f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(position_ids.shape)}")
-    if use_triton(x, backend, "short-conv"):
+    width = weight.shape[-1]
+    if backend == "triton" and width > MAX_TAPS:
+        raise ValueError(f"the Triton short-conv kernels take up to {MAX_TAPS} taps, got a weight of {width}; "
+                         f"use backend='torch' (or 'auto', which does for wider convs)")
+    if use_triton(x, backend, "short-conv") and width <= MAX_TAPS:
         return _conv(x, weight, position_ids, bool(silu))
     return reference.causal_conv_forward(x, weight, position_ids, silu)

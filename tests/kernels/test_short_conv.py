@@ -120,6 +120,10 @@ def test_errors():
         causal_conv_with_resets(x, w, pos[:, :4])
     with pytest.raises(ValueError, match="Triton short-conv kernels take"):
         causal_conv_with_resets(x.double(), w, pos, backend="triton")
+    wide = torch.randn(8, 1, 5)
+    with pytest.raises(ValueError, match="up to 4 taps"):
+        causal_conv_with_resets(x, wide, pos, backend="triton")
+    torch.testing.assert_close(causal_conv_with_resets(x, wide, pos), R.causal_conv_forward(x, wide, pos))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +133,7 @@ def test_errors():
 @triton_cpu
 @pytest.mark.parametrize("B, T, C, W, dtype, silu", [
     (2, 13, 96, 4, torch.float32, False), (2, 19, 200, 4, torch.bfloat16, False),
-    (1, 21, 200, 2, torch.float32, False), (2, 9, 96, 1, torch.bfloat16, False),
+    (1, 21, 200, 2, torch.float32, False), (2, 9, 96, 1, torch.bfloat16, False), (3, 17, 70, 3, torch.float32, True),
     (2, 13, 96, 4, torch.float32, True), (2, 19, 200, 4, torch.bfloat16, True), (1, 9, 96, 1, torch.float32, True)])
 def test_triton_kernels(B, T, C, W, dtype, silu):
     """T off the row block of 8, C off the channel block of 64 (96 = 1.5 blocks, 200 = 3.1); with and
