@@ -30,7 +30,7 @@ from .reference import RMS_EPS
 MAX_SOURCES = 8
 # GPU tiles (untuned): BLOCK_M tokens × BLOCK_D features a program; the interpreter takes small
 # tiles so tests cover several row blocks, several d chunks and the masked edges.
-GPU_BLOCK_M, GPU_MAX_BLOCK_D, GPU_NUM_WARPS = 8, 512, 8
+GPU_BLOCK_M, GPU_MAX_BLOCK_D, GPU_NUM_WARPS = 4, 512, 8
 INTERPRET_BLOCKS = (4, 64)
 
 
