@@ -31,7 +31,8 @@ the bf16 GEMM ceiling measured on the lent H200 (ANCHORS.md: 694 TFLOP/s). ``--r
 activation recompute policy (``train.recompute``, k3train/training/recompute.py); compare the peak
 memory (``torch.cuda.max_memory_allocated`` over the timed steps) and step time across policies.
 ``--compile`` (GPU only) then compiles each decoder layer of the same model in place as ``train.compile``
-does (``k3train.training.compile``) and times it again with the same batch and optimizer: a second row
+does (``k3train.training.compile``; ``--compile-mode``, default reduce-overhead: CUDA graphs) and times
+it again with the same batch and optimizer: a second row
 per KDA variant (``"compile": true``) with the first (compiling) step's time, the compile time (that
 step minus an eager step), and the number of compiled graphs and graph breaks.
 Writes JSON: ``{"rows": [one per variant, with "kda", "optim" and "compile"], "ours_over_fla": {...} or null}``.
@@ -52,13 +53,14 @@ from pathlib import Path
 
 import torch
 
-from k3train.config.schema import RECOMPUTE_POLICIES, ModelConfig, OptimConfig
+from k3train.config.schema import COMPILE_MODES, RECOMPUTE_POLICIES, ModelConfig, OptimConfig
 from k3train.model.k3 import K3Model
 from k3train.model.kda import KimiDeltaAttention
 from k3train.optim.builder import build_optimizer
 from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
 from k3train.precision.main_params import MainParams
+from k3train.training.compile import begin_forward, compile_layers
 from k3train.training.flops import train_flops_per_token
 from k3train.training.module_time import format_table, module_ranges, time_by_module
 from k3train.training.recompute import apply_recompute
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="optimizer, as conf/optim/<name>.yaml (default: conf/config.yaml's, the trainer's)")
     ap.add_argument("--compile", action="store_true",
                     help="then compile each layer as train.compile does and time the same model again (GPU only)")
+    ap.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead",
+                    help="torch.compile mode of --compile (reduce-overhead: each layer graph a CUDA graph)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile two steps (kernels by kind and time), of the last variant timed")
     args = ap.parse_args(argv)
@@ -226,6 +230,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
 
     moe = model.moe_layers()
     ticks: list[list] = []
+    compiled_mode = None  # set once the layers are compiled
 
     def tick():
         if cuda:
@@ -237,6 +242,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
     def step() -> torch.Tensor:
         t = [tick()]
         grads.zero()
+        if compiled_mode:
+            begin_forward(compiled_mode)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = model(x, labels=y)
         t.append(tick())
@@ -313,12 +320,12 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
     if args.compile:
         from torch._dynamo.utils import counters
 
-        from k3train.training.compile import compile_layers
-
         torch._dynamo.reset()  # a variant before this one compiled its own model: count this one's graphs only
         counters.clear()
-        compile_layers(model)
+        compile_layers(model, mode=args.compile_mode)
+        compiled_mode = args.compile_mode
         c = measure(compiled=True)
+        c["compile_mode"] = compiled_mode
         c["compile_s"] = c["first_step_s"] - rows[0]["step_ms"] / 1e3  # the first step's excess
         c["graphs"] = counters["stats"]["unique_graphs"]
         c["graph_breaks"] = sum(counters["graph_break"].values())

@@ -155,6 +155,7 @@ class PrecisionConfig:
 
 
 RECOMPUTE_POLICIES = ("none", "attn_res", "kda", "full")  # train.recompute (k3train/training/recompute.py)
+COMPILE_MODES = ("default", "reduce-overhead")  # train.compile_mode: torch.compile's mode
 
 
 @dataclass
@@ -198,6 +199,10 @@ class TrainConfig:
     # GEMMs and kernels. Needs bf16 activations, data parallelism only (parallel.tensor = pipeline = context =
     # expert = 1), plain bf16 GEMMs and torch linears (precision.linear_backend=auto resolves to torch).
     compile: bool = False
+    # torch.compile's mode for train.compile: "default", or "reduce-overhead" (each layer graph also a CUDA
+    # graph: the step stops being host-bound; measured in benchmarks/train_step.py, not yet verified in the
+    # trainer, docs/operating.md).
+    compile_mode: str = "default"
     # Activation recompute (docs/operating.md): "none", "attn_res" (the AttnRes sites), "kda" (those and the
     # KDA mixers) or "full" (whole decoder layers); each trades a second forward of those parts for memory.
     recompute: str = "none"

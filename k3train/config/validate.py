@@ -10,7 +10,8 @@ import dataclasses
 import difflib
 import typing
 
-from k3train.config.schema import PRECISION_RECIPES, RECOMPUTE_POLICIES, K3Config, ModelConfig, PrecisionConfig
+from k3train.config.schema import (COMPILE_MODES, PRECISION_RECIPES, RECOMPUTE_POLICIES, K3Config, ModelConfig,
+                                   PrecisionConfig)
 from k3train.parallel.pipeline.layout import layout_error
 
 
@@ -197,6 +198,8 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(pr.recipe in PRECISION_RECIPES,
           f"precision.recipe={pr.recipe!r}: use one of {', '.join(PRECISION_RECIPES)} "
           f"(or pick a preset: precision=bf16|mxfp8|fp8_block)")
+    _need(t.compile_mode in COMPILE_MODES,
+          f"train.compile_mode={t.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
     if t.compile:
         for name in ("tensor", "pipeline", "context", "expert"):
             _need(getattr(p, name) == 1,

@@ -47,6 +47,7 @@ from k3train.precision.main_params import MainParams
 from k3train.training.checkpoint import load_checkpoint, remove_incomplete_saves, save_checkpoint
 from k3train.training.checkpoint_writer import CheckpointWriter
 from k3train.training.collective_timeout import set_collective_timeout
+from k3train.training.compile import begin_forward, compile_layers
 from k3train.training.profiling import PhaseTimer, StepProfiler
 from k3train.training.recompute import apply_recompute
 from k3train.training.flops import peak_flops, train_flops_per_token
@@ -113,9 +114,7 @@ class Trainer:
         self.main = MainParams(self.model, torch.bfloat16 if params_dtype == "bf16" else torch.float32, rounding)
         self.grads = GradBuffers(self.model, self.groups)
         if t.compile:
-            from k3train.training.compile import compile_layers
-
-            compile_layers(self.model)
+            compile_layers(self.model, mode=t.compile_mode)
         # the by-module profile hooks every module's forward: eager models only
         self.profiler = StepProfiler(self.run_dir, list(t.profile_steps), self.device, self.groups.rank,
                                      None if t.compile else self.model)
@@ -232,6 +231,8 @@ class Trainer:
     # --- one step --------------------------------------------------------------------------
     def _forward(self, batch: dict) -> torch.Tensor:
         b = batch_to_device(batch, self.device)
+        if self.cfg.train.compile:
+            begin_forward(self.cfg.train.compile_mode)
         with _autocast(self.device, self.compute_dtype):
             return self.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"])
 

@@ -517,14 +517,14 @@ def _chunk_tables(cu: torch.Tensor, C: int, seq_len: int | None, rows: int):
 _TABLES = TensorMemo()  # cu (int64, on the device) → its chunk tables and int32 copy
 
 
-def _tables(cu: torch.Tensor, C: int, seq_len: int | None, rows: int):
-    """``_chunk_tables`` and cu as int32, computed once per cu tensor (every KDA layer of a forward
-    gets the same one from ``kda_triton``); directly while torch.compile traces."""
+def _tables(cu: torch.Tensor, C: int, seq_len: int | None, rows: int, memo: bool):
+    """``_chunk_tables`` and cu as int32: with ``memo``, computed once per cu tensor (every KDA layer
+    of an eager forward gets the same one from ``kda_triton``); otherwise directly."""
 
     def make():
         return (*_chunk_tables(cu, C, seq_len, rows), cu.to(torch.int32))
 
-    if torch.compiler.is_compiling():
+    if not memo or torch.compiler.is_compiling():
         return make()
     return _TABLES.get(cu, (C, seq_len, rows), make)
 
@@ -579,9 +579,12 @@ def _scan_launch(N, H, V, dev):
 
 
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2,
-            output_final_state, seq_len=None):
+            output_final_state, seq_len=None, memo=True):
     """The per-chunk buffers have ``chunk_capacity`` rows, known from shapes: no host sync (eager or
-    under torch.compile), at the cost of up to N empty chunk slots for N packed documents."""
+    under torch.compile), at the cost of up to N empty chunk slots for N packed documents.
+    ``memo=False`` (the compiled graphs' custom op): nothing allocated here outlives the call. A
+    compiled graph may run while a CUDA graph records, and a remembered table would be a tensor of
+    the graph's memory pool that no graph output accounts for (CUDA graph trees refuse to go on)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = CHUNK
@@ -589,7 +592,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, h0, cu, use_l2
     BV = _pick(V, "bwd_bv")
     dev = q.device
     N = cu.numel() - 1
-    seq, bos, off, NC, cu32 = _tables(cu, C, seq_len, chunk_capacity(B * T, N, seq_len))
+    seq, bos, off, NC, cu32 = _tables(cu, C, seq_len, chunk_capacity(B * T, N, seq_len), memo)
     SBV, s_warps, s_stages = _scan_launch(N, H, V, dev)
     DT = _dot_dtype(q)
     Wk, U, Qd, Ke, Kd, M, X, GS, RS, hs = _chunk_buffers(q, v, NC)
@@ -705,7 +708,7 @@ def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The Triton forward: (o, the final state or an empty tensor, the buffers for backward)."""
     o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, cu, use_l2,
-                           output_final_state, seq_len)
+                           output_final_state, seq_len, memo=False)
     return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32), list(saved)
 
 

@@ -19,6 +19,8 @@ from torch._dynamo.utils import counters
 from triton_cpu import rerun_under_interpreter, triton_cpu
 
 import kernels.kda
+from kernels.kda import chunk
+from kernels.kda.memo import TensorMemo
 from k3train.config.schema import K3Config, ModelConfig
 from k3train.config.validate import ConfigError, validate
 from k3train.model.documents import Documents
@@ -76,8 +78,11 @@ def test_compiled_layers_match_eager_share_graphs_and_never_break():
 @triton_cpu
 def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
     """KDA through its Triton custom op inside a compiled function, on packed documents whose count
-    changes (3, then 5): one graph, no break, the reference's output and gradients."""
+    changes (3, then 5): one graph, no break, the reference's output and gradients; and the op keeps
+    no chunk tables after it returns (under CUDA graphs a kept table is an untracked tensor of the
+    graphs' memory pool: the trainer's first evaluation with CUDA graphs failed on exactly four)."""
     monkeypatch.setattr(kernels.kda, "_triton_ok", lambda q: True)
+    monkeypatch.setattr(chunk, "_TABLES", TensorMemo())
     torch._dynamo.reset()
     counters.clear()
     H, K = 2, 16
@@ -96,6 +101,7 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
         w = torch.randn(1, T, H, K, generator=gen)
         got_in = [t.clone().requires_grad_() for t in inputs]
         compiled(*got_in, docs, w).backward()
+        assert not chunk._TABLES._entries, "the compiled op remembered chunk tables"
         want_in = [t.clone().requires_grad_() for t in inputs]
         o, _ = kernels.kda.kda_chunked(*want_in, cu_seqlens=docs.cu_seqlens)
         (o * w).sum().backward()
@@ -115,6 +121,7 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
     ({"precision": {"recipe": "mxfp8"}}, "precision.recipe"),
     ({"precision": {"expert_qat": True}}, "precision.expert_qat"),
     ({"train": {"recompute": "full"}}, "train.recompute"),
+    ({"train": {"compile_mode": "max-autotune"}}, "train.compile_mode"),
 ])
 def test_config_refuses_what_is_not_compiled(override, field):
     cfg = K3Config()
