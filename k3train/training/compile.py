@@ -17,9 +17,9 @@ activations live in a private memory pool and a replay reuses the previous repla
 trainer marks each new forward (``begin_forward``), and nothing may keep a tensor allocated inside a
 graph past its call. Measured on one H200 (bench-1B, 2x4096, AdamW, ``benchmarks/train_step.py
 --compile``): 79.9 ms a step against 130.5 ms eager in the same process. The trainer's first run
-with it stopped at the first evaluation: KDA's custom op had remembered its chunk tables (four
-tensors of the pool no graph output accounts for); it no longer does, but the trainer has not run
-with CUDA graphs since, so "default" stays the default (docs/operating.md).
+with it stopped at the first evaluation on four tensors of the pool that no graph output accounts
+for, most likely KDA's four chunk tables, which its custom op remembered; it no longer does, but the
+trainer has not run with CUDA graphs since, so "default" stays the default (docs/operating.md).
 
 The embedding and the output head stay eager. The number of packed documents (the length of
 ``Documents.cu_seqlens``) changes from batch to batch: it is marked dynamic where the documents are
