@@ -18,8 +18,9 @@ trainer marks each new forward (``begin_forward``), and nothing may keep a tenso
 graph past its call. Measured on one H200 (bench-1B, 2x4096, AdamW, ``benchmarks/train_step.py
 --compile``): 79.9 ms a step against 130.5 ms eager in the same process. The trainer's first run
 with it stopped at the first evaluation on four tensors of the pool that no graph output accounts
-for, most likely KDA's four chunk tables, which its custom op remembered; it no longer does, but the
-trainer has not run with CUDA graphs since, so "default" stays the default (docs/operating.md).
+for: KDA's four chunk tables, which its custom op remembered (a CPU test now asserts that a compiled
+step keeps no tensor it allocates). The trainer has not run with CUDA graphs since, so "default"
+stays the default (docs/operating.md).
 
 The embedding and the output head stay eager. The number of packed documents (the length of
 ``Documents.cu_seqlens``) changes from batch to batch: it is marked dynamic where the documents are

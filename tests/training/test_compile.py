@@ -12,11 +12,12 @@ document lengths on the host), is compiled on its own under the interpreter.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from triton_cpu import rerun_under_interpreter, triton_cpu
+from triton_cpu import force_triton, rerun_under_interpreter, triton_cpu
 
 import kernels.kda
 from kernels.kda import chunk
@@ -109,6 +110,32 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4 * float(b.grad.abs().max()))
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@triton_cpu
+def test_triton_compiled_step_keeps_no_tensor_it_allocates(monkeypatch):
+    """Compiled layers with every Triton path (the interpreter on CPU): after a step, the only new
+    tensors alive are the gradients. Under CUDA graphs (train.compile_mode=reduce-overhead) a tensor
+    allocated inside a graph and kept past it is a tensor of the graphs' pool that no output accounts
+    for, and the graph trees stop (KDA's op kept its four chunk tables: the trainer's first CUDA-graph
+    run ended at its first evaluation)."""
+    force_triton(monkeypatch)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = K3Model(ModelConfig(num_layers=2, full_attn_layers=[2])).train()  # KDA + dense, MLA + MoE
+    compile_layers(model, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+
+    def step():
+        _step(model, *(torch.randint(0, model.cfg.vocab_size, (2, 8), generator=g) for _ in range(2)))
+        gc.collect()
+
+    step()  # compiles
+    before = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]  # held: no id is reused
+    step()
+    old = {id(t) for t in before} | {id(p.grad) for p in model.parameters()}
+    kept = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and id(t) not in old]
+    assert not kept, [(tuple(t.shape), t.dtype) for t in kept]
 
 
 @pytest.mark.parametrize("override, field", [
