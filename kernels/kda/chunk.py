@@ -518,15 +518,14 @@ _TABLES = TensorMemo()  # cu (int64, on the device) → its chunk tables and int
 
 
 def _tables(cu: torch.Tensor, C: int, seq_len: int | None, rows: int, memo: bool):
-    """``_chunk_tables`` and cu as int32: with ``memo``, computed once per cu tensor (every KDA layer
-    of an eager forward gets the same one from ``kda_triton``); otherwise directly."""
+    """``_chunk_tables`` and cu as int32: with ``memo`` (eager ``KDAFunction``), computed once per cu
+    tensor (every KDA layer of a forward gets the same one from ``kda_triton``); otherwise directly
+    (the custom op that compiled graphs hold)."""
 
     def make():
         return (*_chunk_tables(cu, C, seq_len, rows), cu.to(torch.int32))
 
-    if not memo or torch.compiler.is_compiling():
-        return make()
-    return _TABLES.get(cu, (C, seq_len, rows), make)
+    return _TABLES.get(cu, (C, seq_len, rows), make) if memo else make()
 
 
 _OFFSETS = TensorMemo()  # cu_seqlens → its int64 copy on the device
