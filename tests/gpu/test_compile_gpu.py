@@ -50,7 +50,9 @@ def test_compiled_layers_match_eager(mode):
     gradients by several percent from an fp32 run (near-tied router scores pick other experts), so
     compiled and eager bf16 are each compared with eager fp32, and the compiled distance must stay
     within 2x eager's over all parameters and 4x on every parameter (CPU, inductor, measured: 0.76-1.19x
-    and at most 2.07x)."""
+    and at most 2.07x). Each compiled step runs twice (under "reduce-overhead" the second call replays
+    the CUDA graphs the first recorded), and the first layout comes back after the others: the repeats
+    must agree with the first runs (``_agree``)."""
     cfg = ModelConfig(**yaml.safe_load((REPO / "conf/model/k3_tiny_kernel.yaml").read_text()))
     torch._dynamo.reset()
     counters.clear()
@@ -64,7 +66,7 @@ def test_compiled_layers_match_eager(mode):
     compiled = copy.deepcopy(eager)
     compile_layers(compiled, mode=mode)
     g = torch.Generator().manual_seed(1)
-    replays = []
+    replays, noises = [], []
     for lengths in ([[100, 412], [T]], [[7, 93, 250, 162], [300, 10, 202]], [[T], [T]], [[100, 412], [T]]):
         pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).cuda()
         tokens, labels = (torch.randint(0, cfg.vocab_size, (2, T), generator=g).cuda() for _ in range(2))
@@ -75,8 +77,10 @@ def test_compiled_layers_match_eager(mode):
             loss, grads = _step(compiled, tokens, pos, labels)
             replays.append((loss, grads))
         (loss, grads), (again, grads_again) = replays[-2:]
-        _agree(again, grads_again, loss, grads)
         floor, floor_per = _distance(eager_grads, ref_grads)
+        noise = (abs(eager_loss - ref_loss), floor)  # bf16's own distance from fp32: loss, gradients
+        noises.append(noise)
+        _agree(again, grads_again, loss, grads, *noise)
         total, per = _distance(grads, ref_grads)
         ratio = {n: per[n] / max(floor_per[n], 1e-3) for n in per}  # below 0.1% both are at rounding level
         worst = max(ratio, key=ratio.get)
@@ -84,17 +88,18 @@ def test_compiled_layers_match_eager(mode):
               f"vs fp32: eager {floor:.2e}, compiled {total:.2e}; worst {worst} {per[worst]:.2e} vs {floor_per[worst]:.2e}")
         assert abs(loss - ref_loss) <= 2 * abs(eager_loss - ref_loss) + 1e-3 * abs(ref_loss)
         assert total <= 2 * floor and ratio[worst] <= 4, (total, floor, worst, ratio[worst])
-    _agree(*replays[-1], *replays[0])  # the first layout again, three layouts later
+    _agree(*replays[-1], *replays[0], *noises[0])  # the first layout again, three layouts later
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 10, dict(counters["stats"])
 
 
-def _agree(loss, grads, want_loss, want_grads):
-    """Two steps of the same model on the same batch agree up to the run-to-run noise of
-    non-deterministic kernels (attention's backward): a replay that read overwritten buffers would not."""
-    assert abs(loss - want_loss) <= 1e-4 * abs(want_loss), (loss, want_loss)
+def _agree(loss, grads, want_loss, want_grads, loss_noise, grad_noise):
+    """Two steps of the same model on the same batch agree within a tenth of bf16's own distance from
+    fp32 on that batch (room for non-deterministic kernels such as attention's backward); a replay that
+    read overwritten buffers would be off by far more."""
+    assert abs(loss - want_loss) <= 0.1 * loss_noise + 1e-6 * abs(want_loss), (loss, want_loss, loss_noise)
     total, per = _distance(grads, want_grads)
-    assert total <= 1e-3, (total, max(per, key=per.get))
+    assert total <= 0.1 * grad_noise, (total, grad_noise, max(per, key=per.get))
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
