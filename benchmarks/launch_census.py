@@ -5,9 +5,8 @@ launch count (the eager step is host-bound, so launches cost time) for when no G
 
 The step is the trainer's micro-batch without the optimizer: bf16 parameters with fp32 main
 gradients (``MainParams``, ``GradBuffers``), forward under bf16 autocast on packed documents,
-backward, the gradient buffers' reduce. Every kernel folder's ``use_triton`` and KDA's are forced
-on, so our Triton kernels run through the interpreter and each launch counts as one kernel, as on
-the GPU. Every other leaf aten op that computes counts as one kernel; views, allocations and
+backward, the gradient buffers' reduce. It runs within ``kernels.backend.triton_on_cpu()``, so our
+Triton kernels run through the interpreter and each launch counts as one kernel, as on the GPU. Every other leaf aten op that computes counts as one kernel; views, allocations and
 metadata ops count none. What the CPU does differently is left out: the copy behind a mixed-dtype
 add or multiply (CUDA casts inside the kernel), the fill a CPU reduction starts with, and the
 insides of the CPU grouped GEMM loop and of the math SDPA (each counted as one kernel). The
@@ -23,9 +22,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import argparse  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
-import pkgutil  # noqa: E402
 import sys  # noqa: E402
 from collections import Counter, defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -34,7 +31,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels  # noqa: E402
+from kernels.backend import triton_on_cpu  # noqa: E402
 from k3train.model.k3 import K3Model  # noqa: E402
 from k3train.parallel.grad_buffers import GradBuffers  # noqa: E402
 from k3train.precision.main_params import MainParams  # noqa: E402
@@ -52,14 +49,8 @@ MIXED = ("aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::mul", "ate
          "aten::div_", "aten::maximum", "aten::minimum", "aten::where")
 
 
-def force_triton() -> None:
-    """Every kernel folder takes its Triton path on CPU tensors (through the interpreter), and each
-    interpreted launch is a ``triton::<kernel>`` profiler range."""
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
-        if hasattr(module, "use_triton"):
-            module.use_triton = lambda x, backend, op: backend != "torch"
-    importlib.import_module("kernels.kda")._triton_ok = lambda q: True
+def trace_triton_launches() -> None:
+    """Each interpreted Triton launch becomes a ``triton::<kernel>`` profiler range."""
     from triton.runtime.interpreter import InterpretedFunction
 
     run = InterpretedFunction.run
@@ -134,8 +125,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    force_triton()
-    by_module, ops = census(args.model, args.seq, args.batch)
+    trace_triton_launches()
+    with triton_on_cpu():  # every kernel folder's Triton path, through the interpreter
+        by_module, ops = census(args.model, args.seq, args.batch)
     total = sum(sum(c.values()) for c in by_module.values())
     print(f"{args.model}, {args.batch}×{args.seq} tokens (3 documents a row): {total} kernels per micro-batch step "
           f"(CPU proxy: forward + backward + gradient reduce)")

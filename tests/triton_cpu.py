@@ -37,20 +37,6 @@ triton_cpu = pytest.mark.skipif(
            "triton was imported); these run in a subprocess via test_triton_cpu_subprocess")
 
 
-def force_triton(monkeypatch) -> None:
-    """For this test, every kernel folder (and KDA) takes its Triton path on CPU tensors too."""
-    import importlib
-    import pkgutil
-
-    import kernels
-
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
-        if hasattr(module, "use_triton"):
-            monkeypatch.setattr(module, "use_triton", lambda x, backend, op: backend != "torch")
-    monkeypatch.setattr(importlib.import_module("kernels.kda"), "_triton_ok", lambda q: True)
-
-
 def rerun_under_interpreter(test_file: str) -> None:
     """Run ``test_file``'s tests named *triton* (not the re-run itself) with the interpreter on."""
     if TRITON_HERE:

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ..backend import triton_device
 from .memo import TensorMemo
 from .reference import kda_chunked, kda_recurrent
 
@@ -113,7 +114,7 @@ def validate_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initia
 
 
 def _triton_ok(q: torch.Tensor) -> bool:
-    if not q.is_cuda:
+    if not triton_device(q):
         return False
     try:
         import triton  # noqa: F401

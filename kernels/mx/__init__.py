@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import triton_device
 from . import reference, torch_impl
 from .formats import (BLOCK, E2M1, E4M3, E5M2, FORMATS, SCALE_NAN, SCALE_RULES, ElemFormat,
                       check_encoded, check_input, check_output_dtype, check_rule, get_format)
@@ -45,7 +46,7 @@ def _backend(t: torch.Tensor, backend: str) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"unknown MX backend {backend!r}; expected one of {_BACKENDS}")
     if backend == "auto":
-        return "triton" if t.is_cuda else "torch"
+        return "triton" if triton_device(t) else "torch"
     if backend == "triton" and not (t.is_cuda or t.device.type == "cpu"):
         raise ValueError(f"the Triton MX kernels need a CUDA or CPU tensor, got {t.device}")
     return backend

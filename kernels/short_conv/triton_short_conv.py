@@ -168,7 +168,9 @@ def short_conv_bwd(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, grad_out
         return dx, torch.zeros_like(w)
     meta = _tiles(x, GPU_BWD, INTERPRET_BWD)
     grid = (triton.cdiv(T, meta["ROWS"]), triton.cdiv(C, meta["BLOCK_C"]), B)
-    w4 = torch.nn.functional.pad(w, (MAX_TAPS - W, 0))  # zero taps s ≥ W
+    pad = MAX_TAPS - W  # zero taps s ≥ W
+    w4 = torch.nn.functional.pad(w, (pad, 0)) if pad else w
     dw_parts = torch.empty((grid[0] * B, C, MAX_TAPS), dtype=torch.float32, device=x.device)
     _short_conv_bwd_kernel[grid](x, w4, pos, grad_out, dx, dw_parts, T, C, SILU=silu, **meta)
-    return dx, dw_parts.sum(0)[:, MAX_TAPS - W:].contiguous()
+    dw = dw_parts.sum(0)
+    return dx, dw[:, pad:].contiguous() if pad else dw

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton_cpu import rerun_under_interpreter, triton_cpu
 
 from kernels.attn_res import attn_res_aggregate
-from kernels.backend import eager_or_compiled
+import kernels.kda
+from kernels.backend import eager_or_compiled, triton_on_cpu, use_triton
 from kernels.moe_permute import combine_rows, dispatch_rows
 from kernels.short_conv import causal_conv_with_resets
 from kernels.rms_norm import rms_norm
@@ -46,6 +47,15 @@ def _graph_ops(fn, *args) -> tuple[list[str], object]:
 
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     return [s for s in seen if s.startswith("k3.")], out
+
+
+def test_auto_backend_takes_cpu_tensors_within_the_switch_only():
+    x = torch.randn(4)
+    assert not use_triton(x, "auto", "test") and not kernels.kda._triton_ok(x)
+    with triton_on_cpu():
+        assert use_triton(x, "auto", "test") and kernels.kda._triton_ok(x)
+        assert not use_triton(x, "torch", "test")
+    assert not use_triton(x, "auto", "test") and not kernels.kda._triton_ok(x)
 
 
 def test_helper_picks_eager_outside_compile_and_the_op_inside():

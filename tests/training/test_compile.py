@@ -17,9 +17,10 @@ import gc
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from triton_cpu import force_triton, rerun_under_interpreter, triton_cpu
+from triton_cpu import rerun_under_interpreter, triton_cpu
 
 import kernels.kda
+from kernels.backend import triton_on_cpu
 from kernels.kda import chunk
 from kernels.kda.memo import TensorMemo
 from k3train.config.schema import K3Config, ModelConfig
@@ -82,7 +83,6 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
     changes (3, then 5): one graph, no break, the reference's output and gradients; and the op keeps
     no chunk tables after it returns (under CUDA graphs a kept table is an untracked tensor of the
     graphs' memory pool: the trainer's first evaluation with CUDA graphs failed on exactly four)."""
-    monkeypatch.setattr(kernels.kda, "_triton_ok", lambda q: True)
     monkeypatch.setattr(chunk, "_TABLES", TensorMemo())
     torch._dynamo.reset()
     counters.clear()
@@ -101,7 +101,8 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
                   torch.rand(H, generator=gen) - 0.5, torch.randn(H * K, generator=gen)]
         w = torch.randn(1, T, H, K, generator=gen)
         got_in = [t.clone().requires_grad_() for t in inputs]
-        compiled(*got_in, docs, w).backward()
+        with triton_on_cpu():
+            compiled(*got_in, docs, w).backward()
         assert not chunk._TABLES._entries, "the compiled op remembered chunk tables"
         want_in = [t.clone().requires_grad_() for t in inputs]
         o, _ = kernels.kda.kda_chunked(*want_in, cu_seqlens=docs.cu_seqlens)
@@ -113,13 +114,12 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
 
 
 @triton_cpu
-def test_triton_compiled_step_keeps_no_tensor_it_allocates(monkeypatch):
+def test_triton_compiled_step_keeps_no_tensor_it_allocates():
     """Compiled layers with every Triton path (the interpreter on CPU): after a step, the only new
     tensors alive are the gradients. Under CUDA graphs (train.compile_mode=reduce-overhead) a tensor
     allocated inside a graph and kept past it is a tensor of the graphs' pool that no output accounts
     for, and the graph trees stop (KDA's op kept its four chunk tables: the trainer's first CUDA-graph
     run ended at its first evaluation)."""
-    force_triton(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = K3Model(ModelConfig(num_layers=2, full_attn_layers=[2])).train()  # KDA + dense, MLA + MoE
@@ -127,7 +127,8 @@ def test_triton_compiled_step_keeps_no_tensor_it_allocates(monkeypatch):
     g = torch.Generator().manual_seed(1)
 
     def step():
-        _step(model, *(torch.randint(0, model.cfg.vocab_size, (2, 8), generator=g) for _ in range(2)))
+        with triton_on_cpu():
+            _step(model, *(torch.randint(0, model.cfg.vocab_size, (2, 8), generator=g) for _ in range(2)))
         gc.collect()
 
     step()  # compiles
