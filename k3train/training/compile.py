@@ -24,7 +24,8 @@ stays the default (docs/operating.md).
 
 The embedding and the output head stay eager. The number of packed documents (the length of
 ``Documents.cu_seqlens``) changes from batch to batch: it is marked dynamic where the documents are
-built, so it does not recompile.
+built, so it does not recompile. CUDA graph trees still record a graph for each count they meet (how
+often that happens in a run is not measured yet).
 """
 
 from __future__ import annotations
