@@ -11,7 +11,9 @@ Megatron-Core's experts and a dense GEMM chain of the same FLOPs, on natural and
 Defaults are bench-1B's MoE dims: E=128 experts, top-k=8, latent l=512, expert width I=256.
 A row times dispatch -> experts -> combine from the latent tokens z [N, l], the chosen experts
 and gate weights [N, k] (router, W_down and W_up excluded), forward + backward with a fixed
-output gradient; medians of triton.testing.do_bench (time.perf_counter on CPU).
+output gradient; medians of triton.testing.do_bench (time.perf_counter on CPU), or with --cuda-graph of
+replays captured in a CUDA graph (GPU time without the host's autograd and launch overhead, as under
+train.compile_mode=reduce-overhead; each row's JSON says how it was timed).
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
 * grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm).
 * megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # op_timing, moe_ep (also when imported by a test)
 
 from k3train.config.schema import ModelConfig, ParallelConfig  # noqa: E402
 from k3train.model.mlp import situ_glu  # noqa: E402
@@ -50,6 +53,7 @@ from k3train.model.router import SigmoidRouter  # noqa: E402
 from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+from op_timing import graph_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CHECK_LIMIT = 2e-2
@@ -172,13 +176,18 @@ def cpu_bench(fn, warmup, rep, grad_to_none=()):
     return statistics.median(run(rep))
 
 
-def time_fwd_bwd(fn, dout, grad_to_none, warmup, rep):
+def time_fwd_bwd(fn, dout, grad_to_none, warmup, rep, cuda_graph=False):
+    """(median ms, how it was timed) of fn's forward + backward."""
     def step():
         torch.autograd.backward(fn(), dout)
-    if dout.is_cuda:
-        from triton.testing import do_bench
-        return do_bench(step, warmup=warmup, rep=rep, grad_to_none=list(grad_to_none), return_mode="median")
-    return cpu_bench(step, warmup, rep, list(grad_to_none))
+    if not dout.is_cuda:
+        return cpu_bench(step, warmup, rep, list(grad_to_none)), "perf_counter"
+    if cuda_graph:
+        ms = graph_ms(step)
+        if ms is not None:
+            return ms, "cuda graph"
+    from triton.testing import do_bench
+    return do_bench(step, warmup=warmup, rep=rep, grad_to_none=list(grad_to_none), return_mode="median"), "do_bench"
 
 
 
@@ -234,6 +243,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up per row")
     ap.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per row")
     ap.add_argument("--impls", default="loop,grouped,megatron", help="rows after the two dense ones")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="time each row as CUDA-graph replays (GPU time only; rows that cannot be captured, "
+                         "such as the loop's host syncs, fall back to do_bench)")
     ap.add_argument("--json", default="moe_bench.json")
     args = ap.parse_args(argv)
     impls = args.impls.split(",")
@@ -251,10 +263,10 @@ def main(argv=None):
             json.dump(dict(info=info, loads=loads, checks=checks, rows=rows), fh, indent=1)
 
     def timed(routing, impl, fn, leaves, dout, **extra):
-        ms = time_fwd_bwd(fn, dout, leaves, args.warmup, args.rep)
+        ms, how = time_fwd_bwd(fn, dout, leaves, args.warmup, args.rep, args.cuda_graph)
         rows.append(dict(routing=routing, impl=impl, ms=ms, TFLOPs=flops / ms / 1e9,
-                         of_dense=rows[0]["ms"] / ms if rows else 1.0, **extra))
-        print(f"[{routing}] {impl}: {ms:.3f} ms", flush=True)
+                         of_dense=rows[0]["ms"] / ms if rows else 1.0, timed_by=how, **extra))
+        print(f"[{routing}] {impl}: {ms:.3f} ms ({how})", flush=True)
 
     routed = routed_experts(E, k, ell, I).to(dev, dt)
     dispatcher = LocalTokenDispatcher(E)

@@ -29,20 +29,15 @@ from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
 from kernels.moe_permute import combine_rows, dispatch_rows  # noqa: E402
 from kernels.situ import situ_glu_packed  # noqa: E402
+from op_timing import graph_ms, median_ms  # noqa: E402
 
 
 def gpu_ms(fn, graph: bool = True) -> tuple[float, str]:
-    """(median ms, how): replays of ``fn`` captured in a CUDA graph, or (``graph=False``, or a capture
-    that fails) ``do_bench``'s, host included."""
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    if graph:
-        try:
-            return do_bench_cudagraph(fn, rep=100, return_mode="median"), "cuda graph"
-        except Exception as err:  # noqa: BLE001 - report it and time the piece the other way
-            print(f"  (CUDA graph capture failed, {type(err).__name__}: {str(err)[:100]}; timing with do_bench)")
-            torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=100, return_mode="median"), "do_bench (host included)"
+    """(median ms, how): ``fn``'s CUDA-graph replays, or (``graph=False`` or no capture) ``do_bench``'s."""
+    ms = graph_ms(fn) if graph else None
+    if ms is not None:
+        return ms, "cuda graph"
+    return median_ms(fn, "cuda", 25, 100), "do_bench (host included)"
 
 
 def main() -> None:

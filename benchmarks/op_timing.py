@@ -3,6 +3,8 @@ cross_entropy).
 
 ``median_ms``: on CUDA ``triton.testing.do_bench``'s median (``warmup`` and ``rep`` in ms, its
 convention); on CPU ``warmup`` untimed calls, then the median of ``rep`` timed ones.
+``graph_ms``: the median of replays of ``fn`` captured in a CUDA graph: GPU time alone, without the host's
+autograd and launch overhead that ``do_bench`` includes once the host, not the GPU, sets the pace.
 ``held_mib``: what autograd keeps alive after one forward, beyond the output itself (CUDA only).
 """
 
@@ -27,6 +29,19 @@ def median_ms(fn: Callable[[], object], device: str, warmup: int, rep: int) -> f
         if i >= warmup:
             times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], rep: int = 100) -> float | None:
+    """Median ms of ``fn``'s CUDA-graph replays (``triton.testing.do_bench_cudagraph``), or None, said on
+    stdout, when ``fn`` cannot be captured (e.g. it reads a value back to the host)."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    except Exception as err:  # noqa: BLE001 - the caller times it another way
+        print(f"  (no CUDA graph: {type(err).__name__}: {str(err)[:120]})", flush=True)
+        torch.cuda.synchronize()
+        return None
 
 
 def held_mib(forward: Callable[[], torch.Tensor], device: str) -> float | None:
