@@ -240,10 +240,7 @@ class Trainer:
         self.model.train()
         step = self.step + 1
         logs = self._is_log_step(step)
-        timer = PhaseTimer(self.device, synchronize=logs or self.profiler.active(step),
-                           label=self.profiler.active(step))
-        if timer.sync:  # a timed step starts after what the previous step left queued
-            torch.cuda.synchronize(self.device)
+        timer = PhaseTimer(self.device, timed=logs or self.profiler.active(step), label=self.profiler.active(step))
         start = time.perf_counter()
         self.grads.zero()
         moe = self.model.moe_layers()
@@ -274,9 +271,11 @@ class Trainer:
                 self.main.sync_model()  # before re-scoring the router inputs with the updated router
             for layer in moe:
                 layer.update_bias(self.groups.dp_cp)
-        if timer.sync:  # log steps: the step's own time. Other steps leave the optimizer's kernels queued
-            torch.cuda.synchronize(self.device)  # while the host starts the next step (the guard's read waits)
-        elapsed = time.perf_counter() - start
+        # Timed steps: the GPU timeline of this step (one wait, here). Others leave the optimizer's kernels
+        # queued while the host starts the next step (the guard's read waits); their host time is a floor.
+        elapsed, phase_times = timer.finish()
+        if elapsed is None:
+            elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         achieved = tokens * self.flops_per_token / elapsed / max(1, self.groups.world_size)
         return {
@@ -285,7 +284,7 @@ class Trainer:
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
             "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
             "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe, logs or skipped),
-            **(self._optimizer_metrics(skipped, qk_clip) if logs else {}), **timer.record(),
+            **(self._optimizer_metrics(skipped, qk_clip) if logs else {}), **phase_times,
         }
 
     def _is_log_step(self, step: int) -> bool:

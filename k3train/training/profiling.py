@@ -1,6 +1,6 @@
 """Where a step's time goes: per-phase wall times, and torch profiler traces of chosen steps.
 
-``PhaseTimer`` adds up ``time.perf_counter`` intervals per phase of one step:
+``PhaseTimer`` times one step and its phases:
 
     data         next micro-batch, copied to the device
     fwd_bwd      forward and backward of every micro-batch
@@ -8,9 +8,11 @@
     optimizer    optimizer and scheduler step, QB bias update, QK-clip (their own collectives included)
 
 The phases are disjoint parts of the step, so their sum is at most the step time (the rest: zeroing
-gradients, metrics). On CUDA the device is synchronized at each phase boundary only when asked
-(log steps and profiled steps), so other steps get no extra host syncs; unsynchronized CUDA phase
-times would measure kernel launches only, so they are not reported.
+gradients, metrics). On CPU the clock is ``time.perf_counter``. On CUDA, on the steps asked for (log
+steps and profiled steps), a CUDA event on the current stream marks each boundary and the times are
+the GPU timeline between them, read once at the end of the step: no host sync between phases, and a
+step starts when the GPU reaches it, not when the host queued it behind the previous step's optimizer.
+Other CUDA steps are not timed (their host clock would measure kernel launches only).
 
 ``StepProfiler`` (``train.profile_steps=[a, b]``) runs ``torch.profiler`` from step a to step b and
 writes ``<out_dir>/profile/trace_rank<r>_steps<a>-<b>.json`` (Chrome trace format: chrome://tracing or
@@ -39,28 +41,49 @@ PHASES = ("data", "fwd_bwd", "comm", "optimizer")
 
 
 class PhaseTimer:
-    def __init__(self, device: torch.device, synchronize: bool, label: bool = False):
-        self.sync = synchronize and device.type == "cuda"
-        self.device = device
+    """``with timer(phase): ...`` around each phase, then ``timer.finish()`` -> (step seconds or None,
+    ``{"time_<phase>_s": seconds}``). ``timed`` false on CUDA: nothing is recorded and finish gives
+    (None, {})."""
+
+    def __init__(self, device: torch.device, timed: bool, label: bool = False):
+        self.cuda = device.type == "cuda"
+        self.timed = timed or not self.cuda  # the host clock costs nothing
         self.label = label  # a profiler range per phase (only while profiling)
-        self.times: dict[str, float] = defaultdict(float)
+        self.marks: list[tuple[str, object, object]] = []  # (phase, start, end): events or perf_counter
+        self.start = self._now()
+
+    def _now(self):
+        if not self.timed:
+            return None
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
+        start = self._now()
         with torch.profiler.record_function(phase) if self.label else contextlib.nullcontext():
             yield
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        self.times[phase] += time.perf_counter() - start
+        self.marks.append((phase, start, self._now()))
 
-    def record(self) -> dict:
-        """``time_<phase>_s`` for every phase; empty when CUDA phases were not synchronized."""
-        if self.device.type == "cuda" and not self.sync:
-            return {}
-        return {f"time_{p}_s": self.times.get(p, 0.0) for p in PHASES}
+    def finish(self) -> tuple[float | None, dict]:
+        """The step's time from construction to now, and each phase's; on CUDA one wait for the GPU."""
+        end = self._now()
+        if not self.timed:
+            return None, {}
+        if self.cuda:
+            end.synchronize()
+        times = dict.fromkeys(PHASES, 0.0)
+        for phase, a, b in self.marks:
+            times[phase] += _seconds(a, b)
+        return _seconds(self.start, end), {f"time_{p}_s": t for p, t in times.items()}
+
+
+def _seconds(start, end) -> float:
+    """Seconds between two CUDA events (on the GPU timeline) or two perf_counter readings."""
+    return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
 
 
 class StepProfiler:
