@@ -65,7 +65,8 @@ def main() -> None:
     hidden = torch.randn(N * k, I, device=dev, dtype=bf16, requires_grad=True)
 
     def fwd_bwd(fn, *leaves) -> tuple[float, str]:
-        out = fn()
+        with torch.no_grad():  # an autograd graph kept alive here would pin its leaves' AccumulateGrad
+            out = fn()        # nodes to this stream, and the capture of the backward would fail
         grad = torch.randn_like(out)
         return gpu_ms(lambda: torch.autograd.grad(fn(), leaves, grad))
 
