@@ -6,7 +6,10 @@ mixer needs so that no information crosses a document boundary:
 
 - ``position_ids``: the short conv masks taps that reach before the document start;
 - ``cu_seqlens`` [N+1] (int32, over the flattened B·T tokens): KDA resets its state (under context
-  parallelism: over this rank's chunk rows, ``pieces``);
+  parallelism: over this rank's chunk rows, ``pieces``). For compiled layers (``bucket=True``) it is
+  padded with empty documents at the end (repeats of B·T) to a power-of-two length, so that the
+  graphs see a few lengths over a run, not one per document count (CUDA graph trees record a graph
+  for every length they meet);
 - ``doc_ids`` [B, T]: MLA allows attention only within one document.
 
 Under context parallelism (``shard`` set) the tensors describe this rank's share of each row
@@ -36,7 +39,7 @@ class Documents:
     key_doc_ids: torch.Tensor | None = None  # [B, T] int64, doc_ids of the whole rows
 
     @classmethod
-    def from_position_ids(cls, position_ids: torch.Tensor) -> "Documents":
+    def from_position_ids(cls, position_ids: torch.Tensor, bucket: bool = False) -> "Documents":
         if position_ids.dim() != 2:
             raise ValueError(f"position_ids must be [batch, seq], got shape {tuple(position_ids.shape)}")
         starts = position_ids == 0
@@ -45,11 +48,13 @@ class Documents:
         doc_ids = flat.long().cumsum(0).view_as(position_ids) - 1
         offsets = flat.nonzero().flatten().to(torch.int32)
         total = torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)
+        one_per_row = bool(offsets.numel() == position_ids.shape[0])
+        if bucket:
+            total = total.expand(bucketed_length(offsets.numel() + 1) - offsets.numel())
         cu_seqlens = torch.cat([offsets, total])
         # The document count varies from batch to batch: compiled layers (train.compile) take it as a
         # symbolic size instead of recompiling for each count.
         torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
-        one_per_row = bool(cu_seqlens.numel() - 1 == position_ids.shape[0])
         return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=one_per_row)
 
     @classmethod
@@ -70,3 +75,11 @@ class Documents:
         doc_ids = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
         cu_seqlens = torch.arange(batch + 1, device=device, dtype=torch.int32) * seq
         return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=True)
+
+
+MIN_BUCKET = 16  # the shortest padded cu_seqlens
+
+
+def bucketed_length(n: int) -> int:
+    """The padded length of a cu_seqlens of ``n`` entries: the next power of two, at least ``MIN_BUCKET``."""
+    return max(MIN_BUCKET, 1 << (n - 1).bit_length())

@@ -37,6 +37,9 @@ class K3Model(nn.Module):
         self.tp = TPSpec(groups, cfg.init_std, linear_backend, ep_dispatcher, precision_recipe)
         cp = groups is not None and groups.cp_size > 1
         self.context = ContextShard(groups.cp, groups.cp_size, groups.cp_rank) if cp else None
+        #: pad the packed documents' offsets to a few lengths (``Documents.from_position_ids``); set by
+        #: ``compile_layers``, whose graphs would otherwise meet a new length with every document count
+        self.bucket_documents = False
         d = cfg.hidden_size
         self.embed_tokens = self.tp.embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(K3Layer(cfg, self.tp, i) for i in range(cfg.num_layers))
@@ -53,7 +56,7 @@ class K3Model(nn.Module):
         if position_ids is None:
             position_ids = self.context.global_index(tokens.shape[1], tokens.device).expand_as(tokens)
         if self.context is None:
-            return Documents.from_position_ids(position_ids)
+            return Documents.from_position_ids(position_ids, bucket=self.bucket_documents)
         return Documents.for_shard(position_ids, self.context)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -38,15 +38,18 @@ _CHECKED = TensorMemo()  # cu_seqlens → its checked values (tuple)
 
 
 def _checked_offsets(cu_seqlens: torch.Tensor, T: int) -> list[int]:
-    """The values of ``cu_seqlens`` (0 = c_0 < c_1 < … < c_N = T) as a list, checked. Read back once
+    """The values of ``cu_seqlens`` (0 = c_0 < c_1 < … < c_N = T; empty documents, c_n = c_{n+1}, only
+    at the end, where callers pad to a fixed length) as a list, checked. Read back once
     per tensor and version (a host sync for a device tensor; the model passes one tensor to all its
     KDA layers), then remembered."""
 
     def read() -> tuple[int, ...]:
         cu = cu_seqlens.tolist()
         _check(cu[0] == 0, f"cu_seqlens must start at 0, got {cu[0]}")
-        _check(all(b > a for a, b in zip(cu[:-1], cu[1:])), "cu_seqlens must be strictly increasing")
         _check(cu[-1] == T, f"cu_seqlens must end at T = {T}, got {cu[-1]}")
+        last = cu.index(T)  # the end of the last document; empty ones may follow
+        _check(all(b > a for a, b in zip(cu[:last], cu[1:last + 1])),
+               "cu_seqlens must be strictly increasing up to T (empty documents only at the end)")
         return tuple(cu)
 
     return list(_CHECKED.get(cu_seqlens, T, read))

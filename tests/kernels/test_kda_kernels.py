@@ -105,13 +105,16 @@ def ref64(xs, cu, use_h0, use_l2=True, lower_bound=-5.0):
 
 # ------------------------------------------------------------------ CPU: torch references
 
-@pytest.mark.parametrize("case", ["batch", "varlen_h0"])
+@pytest.mark.parametrize("case", ["batch", "varlen_h0", "varlen_trailing_empty"])
 def test_chunked_reference_matches_recurrent(case):
     if case == "batch":
         xs, cu, use_h0 = make_inputs(2, 37, 2, 16, 8), None, False
-    else:
+    elif case == "varlen_h0":
         xs = make_inputs(1, 45, 3, 16, 12, N=3)
         cu, use_h0 = torch.tensor([0, 7, 30, 45]), True
+    else:
+        xs = make_inputs(1, 45, 3, 16, 12, N=5)
+        cu, use_h0 = torch.tensor([0, 7, 30, 45, 45, 45]), True
     o1, s1, g1 = run_and_grad(kda_chunked, fp64(xs), cu, use_h0)
     o2, s2, g2 = ref64(xs, cu, use_h0)
     assert rel(o1, o2) < 1e-10 and rel(s1, s2) < 1e-6
@@ -193,6 +196,9 @@ TRITON_CASES = {
     "varlen_V_tiles": (1, 60, 2, 16, 40, [0, 5, 45, 60], True, True, 0.0, 1.0),
     # 3 chunks in chunk_capacity's 70 // 32 + 3 = 5 slots: two empty ones, launched and masked
     "varlen_spare_slots": (1, 70, 2, 16, 16, [0, 32, 64, 70], True, True, 0.0, 1.0),
+    # compiled layers pad cu_seqlens with empty documents at the end (Documents.from_position_ids):
+    # their final states are their initial states, and they change nothing else
+    "varlen_trailing_empty": (1, 60, 2, 16, 16, [0, 5, 45, 60, 60, 60], True, True, 0.0, 1.0),
 }
 # launch-config overrides per case: V split in tiles of 16 (scans and backward), the last
 # one masked at V = 40

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from k3train.config.schema import ModelConfig
 from k3train.model.attn_res import attn_res_aggregate
-from k3train.model.documents import Documents
+from k3train.model.documents import Documents, bucketed_length
 from k3train.model.k3 import K3Model
 from k3train.model.kda import causal_conv_with_resets
 from k3train.model.mlp import situ_glu
@@ -53,6 +53,10 @@ def test_documents_from_position_ids():
     assert docs.cu_seqlens.tolist() == [0, 3, 5, 7, 10]
     assert docs.doc_ids.tolist() == [[0, 0, 0, 1, 1], [2, 2, 3, 3, 3]]
     assert not docs.one_per_row
+    padded = Documents.from_position_ids(pos, bucket=True)  # compiled layers: empty documents up to 16 offsets
+    assert padded.cu_seqlens.tolist() == [0, 3, 5, 7] + [10] * 12 and not padded.one_per_row
+    assert torch.equal(padded.doc_ids, docs.doc_ids)
+    assert [bucketed_length(n) for n in (2, 16, 17, 33)] == [16, 16, 32, 64]
 
 
 def test_single_documents_equal_from_position_ids_without_reading_back(monkeypatch):

@@ -80,7 +80,8 @@ def test_compiled_layers_match_eager_share_graphs_and_never_break():
 @triton_cpu
 def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
     """KDA through its Triton custom op inside a compiled function, on packed documents whose count
-    changes (3, then 5): one graph, no break, the reference's output and gradients; and the op keeps
+    changes (3, then 5; offsets padded with empty documents): one graph, no break, the reference's
+    output and gradients on the unpadded offsets; and the op keeps
     no chunk tables after it returns (under CUDA graphs a kept table is an untracked tensor of the
     graphs' memory pool: the trainer's first evaluation with CUDA graphs failed on exactly four)."""
     monkeypatch.setattr(chunk, "_TABLES", TensorMemo())
@@ -96,7 +97,8 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     for lengths in ([9, 20, 11], [3, 8, 1, 20, 8]):
         T = sum(lengths)
-        docs = Documents.from_position_ids(torch.cat([torch.arange(n) for n in lengths])[None])
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+        docs = Documents.from_position_ids(position_ids, bucket=True)  # padded to 16 offsets, as compile_layers asks
         inputs = [torch.randn(1, T, H, K, generator=gen) for _ in range(4)] + [torch.randn(1, T, H, generator=gen),
                   torch.rand(H, generator=gen) - 0.5, torch.randn(H * K, generator=gen)]
         w = torch.randn(1, T, H, K, generator=gen)
@@ -105,7 +107,7 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
             compiled(*got_in, docs, w).backward()
         assert not chunk._TABLES._entries, "the compiled op remembered chunk tables"
         want_in = [t.clone().requires_grad_() for t in inputs]
-        o, _ = kernels.kda.kda_chunked(*want_in, cu_seqlens=docs.cu_seqlens)
+        o, _ = kernels.kda.kda_chunked(*want_in, cu_seqlens=Documents.from_position_ids(position_ids).cu_seqlens)
         (o * w).sum().backward()
         for a, b in zip(got_in, want_in):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4 * float(b.grad.abs().max()))
