@@ -53,7 +53,7 @@ def main() -> None:
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
     cfg = ModelConfig(num_experts=E, num_experts_per_token=k, latent_size=ell, moe_intermediate_size=I)
-    experts = RoutedExperts(cfg, TPSpec(None, 0.02)).to(dev)
+    experts = RoutedExperts(cfg, TPSpec(None, 0.02)).to(dev, bf16)  # bf16 parameters, as the trainer keeps them on GPU
     idx = torch.randn(N, E, device=dev).topk(k, -1).indices
     disp = LocalTokenDispatcher(E)
     z = torch.randn(N, ell, device=dev, dtype=bf16, requires_grad=True)

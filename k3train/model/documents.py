@@ -10,7 +10,8 @@ mixer needs so that no information crosses a document boundary:
   padded with empty documents at the end (repeats of B·T) to a power-of-two length, so that the
   graphs see a few lengths over a run, not one per document count (CUDA graph trees record a graph
   for every length they meet);
-- ``doc_ids`` [B, T]: MLA allows attention only within one document.
+- ``doc_ids`` [B, T]: MLA allows attention only within one document (on CUDA, ``block_mask``: the same
+  mask as FlexAttention's block mask, built once per micro-batch by the model).
 
 Under context parallelism (``shard`` set) the tensors describe this rank's share of each row
 (``k3train.parallel.context_shard``); ``query_index`` [T_local] gives each local token's position
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from k3train.parallel.context_parallel import ChunkPieces
 from k3train.parallel.context_shard import ContextShard
@@ -37,6 +39,7 @@ class Documents:
     pieces: ChunkPieces | None = None  # its chunk rows cut at document starts (KDA's packing under CP)
     query_index: torch.Tensor | None = None  # [T_local] int64, position of each local token in the row
     key_doc_ids: torch.Tensor | None = None  # [B, T] int64, doc_ids of the whole rows
+    block_mask: BlockMask | None = None  # FlexAttention's form of MLA's mask (packed rows on CUDA)
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor, bucket: bool = False) -> "Documents":

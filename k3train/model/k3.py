@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from k3train.config.schema import ModelConfig
+from k3train.model import document_attention
 from k3train.model.attn_res import AttnResAggregator
 from k3train.model.documents import Documents
 from k3train.model.layer import K3Layer
@@ -56,7 +57,10 @@ class K3Model(nn.Module):
         if position_ids is None:
             position_ids = self.context.global_index(tokens.shape[1], tokens.device).expand_as(tokens)
         if self.context is None:
-            return Documents.from_position_ids(position_ids, bucket=self.bucket_documents)
+            docs = Documents.from_position_ids(position_ids, bucket=self.bucket_documents)
+            if position_ids.is_cuda and not docs.one_per_row and document_attention.DOCUMENT_ATTENTION == "flex":
+                docs.block_mask = document_attention.document_block_mask(docs.doc_ids)
+            return docs
         return Documents.for_shard(position_ids, self.context)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

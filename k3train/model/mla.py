@@ -6,7 +6,8 @@ Per token x ∈ R^d, heads H (local to this TP rank):
     [c | k_r] = W_kva x                             c ∈ R^{kv_lora}, k_r ∈ R^r (shared by heads)
     [k_n | v] = W_kvb · RMSNorm(c)                  per head [n | v]          [H, n+v]
     k^h      = [k_n^h ; k_r]                        no rotary embedding anywhere
-    o        = softmax(q kᵀ / √(n+r), causal within each document) · v     (fp32 output)
+    o        = softmax(q kᵀ / √(n+r), causal within each document) · v     (fp32 output;
+                                                     document_attention.py)
     y        = W_o (o ⊙ σ(W_g x))
 
 Under context parallelism (``docs.shard``) the queries are this rank's share of the rows and the
@@ -25,10 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3train.config.schema import ModelConfig
+from k3train.model.document_attention import allowed, attend
 from k3train.model.documents import Documents
 from k3train.model.norm import RMSNorm
 from k3train.model.replay import replaying
@@ -79,10 +80,11 @@ class GatedMLA(nn.Module):
 
         q, k, val = (t.transpose(1, 2) for t in (q, k, val))  # [B, H, T, D]
         causal_only = docs.one_per_row and docs.shard is None
-        mask = None if causal_only else self._allowed(docs, 0, T).unsqueeze(1)
+        dense = not causal_only and docs.block_mask is None
         if self.track_max_logit and not replaying():
             self._update_max_logit(q, k, docs)
-        o = F.scaled_dot_product_attention(q, k, val, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        o = attend(q, k, val, self.scale, causal_only=causal_only, block_mask=docs.block_mask,
+                   mask=self._allowed(docs, 0, T).unsqueeze(1) if dense else None)
         o = o.float().transpose(1, 2).reshape(B, T, H * v)
         y = o * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(y.to(x.dtype))
@@ -92,10 +94,9 @@ class GatedMLA(nn.Module):
         """[B, end − start, T_keys] bool: which keys local queries start..end may attend to — causal
         (by position in the whole row) and within one document."""
         ids = docs.doc_ids
-        key_ids = ids if docs.shard is None else docs.key_doc_ids
-        key_pos = torch.arange(key_ids.shape[1], device=ids.device)
-        query_pos = key_pos[start:end] if docs.shard is None else docs.query_index[start:end]
-        return (key_pos[None, :] <= query_pos[:, None]) & (ids[:, start:end, None] == key_ids[:, None, :])
+        if docs.shard is None:
+            return allowed(ids[:, start:end], ids, torch.arange(start, end, device=ids.device))
+        return allowed(ids[:, start:end], docs.key_doc_ids, docs.query_index[start:end])
 
     @torch.no_grad()
     def _update_max_logit(self, q: torch.Tensor, k: torch.Tensor, docs: Documents) -> None:
