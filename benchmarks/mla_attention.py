@@ -26,19 +26,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 from k3train.model.document_attention import allowed, attend, document_block_mask  # noqa: E402
 from k3train.model.documents import Documents  # noqa: E402
 from op_timing import median_ms  # noqa: E402
-
-
-def packed_position_ids(batch: int, seq: int, mean_doc: float) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(batch):
-        pos, left = [], seq
-        while left:
-            n = min(left, max(1, int(torch.empty(1).exponential_(1 / mean_doc, generator=g))))
-            pos.append(torch.arange(n))
-            left -= n
-        rows.append(torch.cat(pos))
-    return torch.stack(rows)
+from packed_documents import packed_position_ids  # noqa: E402
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
     python benchmarks/train_step.py --model k3_bench_1b --batch 2 --seq 4096 --steps 10
     python benchmarks/train_step.py --model k3_tiny --batch 1 --seq 256 --steps 2 --warmup 1   # CPU smoke run
 
-One step = forward + backward of one micro-batch under bf16 autocast + the optimizer + Quantile
+One step = forward + backward of one micro-batch (one document per row, or with ``--mean-doc`` rows
+packed with documents as the trainer's data packs them: MLA's document mask, KDA's varlen path) under bf16 autocast + the optimizer + Quantile
 Balancing (the trainer's per-step bias update). ``--optim`` picks the optimizer by its conf/optim/*.yaml
 (default: the trainer's, conf/config.yaml), built with ``k3train.optim.builder.build_optimizer`` as the
 trainer builds it; with Muon's ``qk_clip_tau`` the optimizer phase includes QK-clip, as in the trainer.
@@ -64,6 +65,7 @@ from k3train.training.compile import begin_forward, compile_layers
 from k3train.training.flops import train_flops_per_token
 from k3train.training.module_time import format_table, module_ranges, time_by_module
 from k3train.training.recompute import apply_recompute
+from packed_documents import packed_position_ids
 
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
 DATASHEET_TFLOPS = 989.0
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="then compile each layer as train.compile does and time the same model again (GPU only)")
     ap.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead",
                     help="torch.compile mode of --compile (reduce-overhead: each layer graph a CUDA graph)")
+    ap.add_argument("--mean-doc", type=float, default=None,
+                    help="pack each row with documents of exponentially distributed length of this mean (tokens), "
+                         "as the trainer's data does (default: one document per row)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile two steps (kernels by kind and time), of the last variant timed")
     args = ap.parse_args(argv)
@@ -191,10 +196,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     g = torch.Generator().manual_seed(1)  # the batch, the same for every variant
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
+    pos = None if args.mean_doc is None else packed_position_ids(args.batch, args.seq, args.mean_doc).to(device)
 
     print(f"{'model':>12} {'B×T':>10} {'kda':>6} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, x, y, device)]
+    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, x, y, pos, device)]
     by = {r["kda"]: r for r in rows if not r["compile"]}
     ratio = None
     if "ours" in by and "fla" in by:
@@ -211,7 +217,7 @@ def _fmt(v, spec: str, width: int) -> str:
 
 
 def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Tensor, y: torch.Tensor,
-                device: torch.device) -> list[dict]:
+                pos: torch.Tensor | None, device: torch.device) -> list[dict]:
     """Build the model (seed 0) with the ``kda`` kernel, time ``args.steps`` steps, print its line; with
     ``args.compile`` then compile its layers and time it again. Its rows (eager, then compiled)."""
     cuda = device.type == "cuda"
@@ -245,7 +251,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         if compiled_mode:
             begin_forward(compiled_mode)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(x, labels=y)
+            loss = model(x, pos, labels=y)
         t.append(tick())
         loss.backward()
         grads.reduce()
@@ -296,7 +302,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
         dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
         row = {"model": args.model, "kda": kda, "optim": args.optim, "compile": compiled, "batch": args.batch,
-               "seq": args.seq, "dtype": dtype, "recompute": args.recompute,
+               "seq": args.seq, "mean_doc": args.mean_doc, "dtype": dtype, "recompute": args.recompute,
                "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
                "step_ms_median": per_step[len(per_step) // 2], "step_ms_min": per_step[0],
                "tokens_per_s": tok / dt, "model_tflops": tflops,

@@ -71,15 +71,16 @@ def test_fla_adapter_refuses_what_it_cannot_pass():
             adapter(*args, **bad)
 
 
-@pytest.mark.parametrize("optim", ("muon", "adamw"))
-def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, tmp_path, capsys):
+@pytest.mark.parametrize("optim, packed", (("muon", False), ("adamw", True)))
+def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_path, capsys):
     out = tmp_path / "ts.json"
     train_step.main(["--model", "k3_tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "1",
-                     "--kda", "ours", "--optim", optim, "--json", str(out)])
+                     "--kda", "ours", "--optim", optim, "--json", str(out)] + (["--mean-doc", "8"] if packed else []))
     res = json.loads(out.read_text())
     assert res["ours_over_fla"] is None
     (row,) = res["rows"]
     assert row["kda"] == "ours" and row["optim"] == optim and row["gpu"] == "cpu" and row["mfu_datasheet"] is None
+    assert row["mean_doc"] == (8 if packed else None)
     assert row["step_ms"] > 0 and set(row["phase_ms"]) == {"forward", "backward", "optimizer", "qb"}
     assert torch.isfinite(torch.tensor([row["first_loss"], row["loss"]])).all()
     assert f" ours {optim:>5} " in capsys.readouterr().out
