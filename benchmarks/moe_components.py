@@ -64,10 +64,13 @@ def main() -> None:
     gate_up = torch.randn(N * k, 2 * I, device=dev, dtype=bf16, requires_grad=True)
     hidden = torch.randn(N * k, I, device=dev, dtype=bf16, requires_grad=True)
 
+    cpu_gen = torch.Generator().manual_seed(1)
+
     def fwd_bwd(fn, *leaves) -> tuple[float, str]:
         with torch.no_grad():  # an autograd graph kept alive here would pin its leaves' AccumulateGrad
             out = fn()        # nodes to this stream, and the capture of the backward would fail
-        grad = torch.randn_like(out)
+        grad = torch.randn(out.shape, generator=cpu_gen).to(out.device, out.dtype)  # CPU RNG: a failed
+        # capture before this one leaves the CUDA generator unusable outside capture
         return gpu_ms(lambda: torch.autograd.grad(fn(), leaves, grad))
 
     flat = idx.flatten()

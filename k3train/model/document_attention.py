@@ -14,7 +14,13 @@ call by ``attend``:
 - otherwise (CPU, where FlexAttention has no backward, and context-parallel shards): SDPA with the
   dense bool mask [B, 1, Tq, Tk] (``allowed``).
 
-``DOCUMENT_ATTENTION`` ("flex" or "sdpa") selects the way for packed documents on CUDA.
+``DOCUMENT_ATTENTION`` ("flex" or "sdpa") selects the way for packed documents on CUDA. It is "sdpa":
+FlexAttention is 1.8x faster forward+backward at bench-1B shapes (``benchmarks/mla_attention.py``), but
+the trainer's compiled bench-1B run with it spent seconds to a minute a step (recompiling, by every
+sign: the block mask's function was a new closure every micro-batch, and torch.compile guards on the
+function object). The mask function is now one object that reads the micro-batch's document ids from
+``_DOCUMENT_IDS`` (each compiled call lifts them as a graph input, so a backward reads its own
+batch's ids); that is not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -23,19 +29,23 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-DOCUMENT_ATTENTION = "flex"
+DOCUMENT_ATTENTION = "sdpa"
 _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiled at its first call
+_DOCUMENT_IDS: list[torch.Tensor] = []  # the document ids [B, T] of the latest block mask
+
+
+def _causal_same_document(b, h, q_idx, kv_idx):
+    doc_ids = _DOCUMENT_IDS[0]
+    return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
 
 def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     """The causal-and-same-document mask of rows ``doc_ids`` [B, T] (int64, one id per document) as a
-    FlexAttention block mask [B, 1 (all heads), T, T]."""
+    FlexAttention block mask [B, 1 (all heads), T, T]; its mask function reads these ids until the
+    next call."""
     B, T = doc_ids.shape
-
-    def causal_same_document(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
-
-    return create_block_mask(causal_same_document, B, None, T, T, device=doc_ids.device)
+    _DOCUMENT_IDS[:] = [doc_ids]
+    return create_block_mask(_causal_same_document, B, None, T, T, device=doc_ids.device, _compile=True)
 
 
 def allowed(doc_ids: torch.Tensor, key_doc_ids: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_flex_matches_dense_mask_within_bf16_noise():
+    torch._dynamo.reset()
     docs = Documents.from_position_ids(_position_ids())
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(B, H, T, DQK, device="cuda", generator=g) for _ in range(2))
@@ -43,7 +44,7 @@ def test_flex_matches_dense_mask_within_bf16_noise():
     scale = DQK ** -0.5
 
     def run(dtype, **how):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         o = attend(*leaves, scale, causal_only=False, **how)
         o.backward(do.to(dtype))
         return [o.detach(), *(t.grad for t in leaves)]
@@ -82,3 +83,25 @@ def test_model_through_flex_equals_dense_mask(monkeypatch):
     total = sum(float((flex_grads[n] - g).norm()) ** 2 for n, g in dense_grads.items()) ** 0.5
     norm = sum(float(g.norm()) ** 2 for g in dense_grads.values()) ** 0.5
     assert total < 2e-2 * norm, (total, norm)
+
+
+def test_compiled_flex_does_not_recompile_for_a_new_batch():
+    """A compiled function that attends through the block mask of one micro-batch, then another (new
+    document ids, new BlockMask): one graph, and each call matches the dense-mask path."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    compiles = CompileCounterWithBackend("inductor")  # this function's compiles (the block masks compile their own)
+    fn = torch.compile(lambda q, k, v, bm: attend(q, k, v, DQK ** -0.5, causal_only=False, block_mask=bm),
+                       backend=compiles)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for lengths in (LENGTHS, ([T // 2, T // 2], [100, T - 100])):
+        pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).cuda()
+        docs = Documents.from_position_ids(pos)
+        q, k = (torch.randn(B, H, T, DQK, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        v = torch.randn(B, H, T, DV, device="cuda", dtype=torch.bfloat16, generator=g)
+        got = fn(q, k, v, document_block_mask(docs.doc_ids)).float()
+        mask = allowed(docs.doc_ids, docs.doc_ids, torch.arange(T, device="cuda")).unsqueeze(1)
+        want = attend(q, k, v, DQK ** -0.5, causal_only=False, mask=mask).float()
+        assert _rel(got, want) < 1e-2, _rel(got, want)
+    assert compiles.frame_count == 1, compiles.frame_count
