@@ -1,35 +1,44 @@
 """Causal softmax attention within packed documents: MLA's core, o = softmax(q kᵀ · scale + M) v.
 
 q [B, H, Tq, Dqk], k [B, H, Tk, Dqk], v [B, H, Tk, Dv] → o [B, H, Tq, Dv], where M lets query i see key
-j only if j ≤ i (by position in the whole row) and both lie in one document. Three ways, chosen per
-call by ``attend``:
+j only if j ≤ i (by position in the whole row) and both lie in one document. ``attend`` picks one of
+four ways from the micro-batch's ``Documents``:
 
 - one document per row: ``scaled_dot_product_attention(is_causal=True)`` (cuDNN or flash attention on
   Hopper);
-- packed documents with a ``BlockMask`` (CUDA): FlexAttention. ``document_block_mask`` builds it once
-  per micro-batch from ``doc_ids`` and every MLA layer shares it; 128×128 tiles that no allowed pair
-  falls in are skipped, so packed documents cost less than one causal row, where SDPA's dense mask
-  costs more. Inductor generates the kernels: inlined into a compiled layer's graph
-  (``train.compile``), or through the standalone compiled ``flex_attention`` when the layer is eager;
-- otherwise (CPU, where FlexAttention has no backward, and context-parallel shards): SDPA with the
-  dense bool mask [B, 1, Tq, Tk] (``allowed``).
+- ``"flex"`` (packed rows on CUDA, ``docs.block_mask`` set by the model): FlexAttention with the
+  document block mask ``document_block_mask`` builds once per micro-batch; 128×128 tiles that no
+  allowed pair falls in are skipped. Inductor generates the kernels: inlined into a compiled layer's
+  graph (``train.compile``), or through the standalone compiled ``flex_attention`` when the layer is
+  eager;
+- ``"varlen"`` (packed rows on CUDA): each document as its own causal sequence, cuDNN's ragged kernels
+  (``aten._cudnn_attention_forward`` with ``cu_seqlens``, the op torch's nested-tensor SDPA calls; its
+  autograd formula gives the backward): work in Σ len², no mask tensor;
+- otherwise (``"sdpa"``, CPU, where FlexAttention has no backward, and context-parallel shards): SDPA
+  with the dense bool mask [B, 1, Tq, Tk] (``allowed``), which costs a full T² row.
 
-``DOCUMENT_ATTENTION`` ("flex" or "sdpa") selects the way for packed documents on CUDA. It is "sdpa":
-FlexAttention is 1.8x faster forward+backward at bench-1B shapes (``benchmarks/mla_attention.py``), but
-the trainer's compiled bench-1B run with it spent seconds to a minute a step (recompiling, by every
-sign: the block mask's function was a new closure every micro-batch, and torch.compile guards on the
-function object). The mask function is now one object that reads the micro-batch's document ids from
-``_DOCUMENT_IDS`` (each compiled call lifts them as a graph input, so a backward reads its own
-batch's ids); that is not yet measured on a GPU.
+``DOCUMENT_ATTENTION`` selects the way for packed rows on CUDA; it is "sdpa". Measured at bench-1B
+shapes (one H200, ``benchmarks/mla_attention.py``, 2026-12-01): FlexAttention 1.49 ms forward+backward
+against the dense mask's 2.72 ms (causal SDPA on one document per row: 0.79 ms), but the trainer's
+compiled bench-1B run with it spent seconds to a minute a step (recompiling, by every sign: the block
+mask's function was a new closure every micro-batch, and torch.compile guards on the function object),
+and building the mask took 5.8 ms. The mask function is now one object that reads the micro-batch's
+document ids from ``_DOCUMENT_IDS`` (each compiled call lifts them as a graph input, so a backward
+reads its own batch's ids) and the mask is built compiled; "varlen" is new. Neither is measured yet.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-DOCUMENT_ATTENTION = "sdpa"
+from k3train.model.documents import Documents
+
+DOCUMENT_ATTENTION = "sdpa"  # "sdpa" | "flex" | "varlen": packed rows on CUDA
+WAYS = ("sdpa", "flex", "varlen")
 _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiled at its first call
 _DOCUMENT_IDS: list[torch.Tensor] = []  # the document ids [B, T] of the latest block mask
 
@@ -55,13 +64,31 @@ def allowed(doc_ids: torch.Tensor, key_doc_ids: torch.Tensor, query_pos: torch.T
     return (key_pos[None, :] <= query_pos[:, None]) & (doc_ids[:, :, None] == key_doc_ids[:, None, :])
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal_only: bool,
-           block_mask: BlockMask | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """o [B, H, Tq, Dv] in v's dtype: causal (``causal_only``), else through ``block_mask`` when given,
-    else through the bool ``mask`` [B, 1, Tq, Tk]."""
-    if causal_only:
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Causal attention within each document of the flattened rows: q, k [B, H, T, Dqk], v [B, H, T, Dv],
+    ``cu_seqlens`` [N+1] int32 offsets over the B·T tokens (empty documents at the end allowed) → o
+    [B, H, T, Dv]. No document is longer than a row, so T bounds every length."""
+    B, H, T, _ = q.shape
+
+    def tokens_heads(x):  # [B, H, T, D] → [B·T, H, D] (a view when x came from [B, T, H, D])
+        return x.transpose(1, 2).reshape(B * T, H, x.shape[-1])
+
+    o = torch.ops.aten._cudnn_attention_forward(
+        tokens_heads(q), tokens_heads(k), tokens_heads(v), None, cu_seqlens, cu_seqlens, T, T,
+        q.requires_grad or k.requires_grad or v.requires_grad, 0.0, True, False, scale=scale)[0]
+    return o.view(B, T, H, v.shape[-1]).transpose(1, 2)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: Documents,
+           dense_mask: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """o [B, H, Tq, Dv] in v's dtype, the way the module docstring gives; ``dense_mask()`` builds the
+    bool mask [B, 1, Tq, Tk] when SDPA needs it."""
+    if docs.one_per_row and docs.shard is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if block_mask is not None:
+    if docs.block_mask is not None:
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex
-        return flex(q, k, v, block_mask=block_mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return flex(q, k, v, block_mask=docs.block_mask, scale=scale)
+    if DOCUMENT_ATTENTION == "varlen" and q.is_cuda and docs.shard is None:
+        return varlen_causal(q, k, v, docs.cu_seqlens, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(), scale=scale)

@@ -79,12 +79,9 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_n, k_r.unsqueeze(2).expand(B, Tk, H, r)], dim=-1)
 
         q, k, val = (t.transpose(1, 2) for t in (q, k, val))  # [B, H, T, D]
-        causal_only = docs.one_per_row and docs.shard is None
-        dense = not causal_only and docs.block_mask is None
         if self.track_max_logit and not replaying():
             self._update_max_logit(q, k, docs)
-        o = attend(q, k, val, self.scale, causal_only=causal_only, block_mask=docs.block_mask,
-                   mask=self._allowed(docs, 0, T).unsqueeze(1) if dense else None)
+        o = attend(q, k, val, self.scale, docs, lambda: self._allowed(docs, 0, T).unsqueeze(1))
         o = o.float().transpose(1, 2).reshape(B, T, H * v)
         y = o * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(y.to(x.dtype))
