@@ -19,8 +19,9 @@ graph past its call. Measured on one H200 (bench-1B, 2x4096, AdamW, ``benchmarks
 --compile``): 79.9 ms a step against 130.5 ms eager in the same process. The trainer's first run
 with it stopped at the first evaluation on four tensors of the pool that no graph output accounts
 for: KDA's four chunk tables, which its custom op remembered (a CPU test now asserts that a compiled
-step keeps no tensor it allocates). The trainer has not run with CUDA graphs since, so "default"
-stays the default (docs/operating.md).
+step keeps no tensor it allocates). With that and the padded document offsets below, the trainer's
+bench-1B run trained at 128–132 ms a step with Muon; it has not yet been seen through an evaluation
+under CUDA graphs, so "default" stays the default (docs/operating.md).
 
 The embedding and the output head stay eager. The number of packed documents changes from batch to
 batch: the model pads ``Documents.cu_seqlens`` with empty documents to the next power of two (at
