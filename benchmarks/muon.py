@@ -260,6 +260,8 @@ def main() -> int:
     bench("per-head Muon, torch elementwise passes",
           lambda: build_muon(named, cfg_ph, ns_fn=ns_auto, elementwise_backend="torch"))
     bench("per-head Muon, bmm NS only", lambda: build_muon(named, cfg_ph, ns_fn=newton_schulz))
+    if dev.type == "cuda":  # inductor's autotuned GEMMs for the > 128-row blocks (tunes in the warm-up steps)
+        bench("per-head Muon, inductor NS", lambda: build_muon(named, cfg_ph, ns_fn=ns_backend("inductor")))
     bench("per-head Muon, NS replaced by a cast", lambda: build_muon(named, cfg_ph, ns_fn=_no_ns))
     bench("whole-matrix Muon (default)", lambda: build_muon(named, cfg_whole, ns_fn=ns_auto))
     for r in rows:

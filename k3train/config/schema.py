@@ -115,7 +115,8 @@ class OptimConfig:
     # Muon (issue 4)
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
-    muon_ns_backend: str = "auto"  # Newton–Schulz: "auto" (Triton for ≤128-row blocks on CUDA), "torch", "triton"
+    muon_ns_backend: str = "auto"  # Newton–Schulz: "auto" (Triton for ≤128-row blocks on CUDA), "torch", "triton",
+    # "inductor" ("auto" with the larger blocks through torch.compile max-autotune; not yet measured)
     per_head_groups: list[str] = field(default_factory=lambda: ["kda_qkv", "mla_q_b", "mla_kv_b"])
     qk_clip_tau: Optional[float] = None
 

@@ -609,8 +609,14 @@ def ns_backend(name: str) -> Callable[..., torch.Tensor]:
       otherwise (on CPU only under the Triton interpreter: slow, for tests);
     - "auto" (default): the fused kernel for <= 128-row blocks on CUDA, torch for the rest
       and on CPU. Measured on an H200 (docs/muon_notes.md): 1.8x faster than bmm on the
-      216+ KDA head blocks [128, 1024], 7x on tiny launch-bound batches.
+      216+ KDA head blocks [128, 1024], 7x on tiny launch-bound batches;
+    - "inductor": "auto", with the larger blocks on CUDA through ``torch.compile(newton_schulz,
+      mode="max-autotune-no-cudagraphs")``: inductor's GEMM templates autotuned for each bucket's
+      shape (cuBLAS runs the 4,608 expert blocks [256, 512] of bench-1B at ~244 TFLOP/s), compiled
+      and tuned at the first step. Not yet measured.
     """
+    if name == "inductor":
+        return _newton_schulz_inductor
     if name == "torch":
         return newton_schulz
     if name == "triton":
@@ -619,10 +625,23 @@ def ns_backend(name: str) -> Callable[..., torch.Tensor]:
         return newton_schulz_triton
     if name == "auto":
         return _newton_schulz_auto
-    raise ValueError(f"optim.muon_ns_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"optim.muon_ns_backend must be 'auto', 'torch', 'triton' or 'inductor', got {name!r}")
 
 
 _TRITON_NS: list = []  # lazily imported fused kernel (or None when unavailable)
+
+
+_COMPILED_NS: list = []  # newton_schulz through torch.compile (max-autotune), made at first use
+
+
+def _newton_schulz_inductor(G: torch.Tensor, **kw) -> torch.Tensor:
+    if not G.is_cuda or min(G.shape[-2:]) <= 128:
+        return _newton_schulz_auto(G, **kw)
+    if not _COMPILED_NS:
+        # one compile per bucket shape and its keyword values (the scale differs by block shape)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _COMPILED_NS.append(torch.compile(newton_schulz, mode="max-autotune-no-cudagraphs", dynamic=False))
+    return _COMPILED_NS[0](G, **kw)
 
 
 def _newton_schulz_auto(G: torch.Tensor, **kw) -> torch.Tensor:

@@ -27,7 +27,7 @@ def _rel(a, b):
 def test_bf16_ns_close_to_fp64_reference(shape):
     G = torch.randn(shape, device="cuda")
     ref = torch.stack([newton_schulz_reference(g.cpu()) for g in G[:2]])
-    for fn in (newton_schulz, ns_backend("auto"), ns_backend("triton")):
+    for fn in (newton_schulz, ns_backend("auto"), ns_backend("triton"), ns_backend("inductor")):
         out = fn(G, steps=5, scale=1.0, dtype=torch.bfloat16)[:2].cpu()
         assert out.dtype == torch.bfloat16
         assert _rel(out, ref) < 3e-2, (fn, shape, _rel(out, ref))

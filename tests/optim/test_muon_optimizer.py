@@ -236,6 +236,8 @@ def test_ns_backend_from_config():
     # "auto" (the default) is the torch path on CPU, whatever the Triton interpreter says
     G = torch.randn(3, 8, 24)
     assert torch.equal(ns_backend("auto")(G, steps=5, scale=1.0, dtype=torch.float32), newton_schulz(G))
+    # "inductor" compiles only CUDA blocks of more than 128 rows: on CPU it is "auto"
+    assert torch.equal(ns_backend("inductor")(G, steps=5, scale=1.0, dtype=torch.float32), newton_schulz(G))
     with pytest.raises(ValueError, match="muon_ns_backend"):
         ns_backend("cuda")
     m = StandInModel()
