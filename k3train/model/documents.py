@@ -20,6 +20,7 @@ in the whole row and ``key_doc_ids`` [B, T] the document ids of the whole rows (
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,20 @@ class Documents:
         # symbolic size instead of recompiling for each count.
         torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
         return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=one_per_row)
+
+    def to(self, device: torch.device) -> "Documents":
+        """These documents on ``device`` (built from a host batch): to a GPU through pinned memory,
+        queued behind the stream's work, so the host does not wait. Not for context-parallel shards."""
+        if self.shard is not None:
+            raise ValueError("Documents.to: context-parallel documents are built on the device (for_shard)")
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+        cu_seqlens = move(self.cu_seqlens)
+        torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)  # as from_position_ids marks it
+        return dataclasses.replace(self, position_ids=move(self.position_ids), doc_ids=move(self.doc_ids),
+                                   cu_seqlens=cu_seqlens)
 
     @classmethod
     def for_shard(cls, position_ids: torch.Tensor, shard: ContextShard) -> "Documents":

@@ -14,6 +14,8 @@ mean over the CP ranks (taken with the gradients over DP×CP) is the rows' mean 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -51,16 +53,26 @@ class K3Model(nn.Module):
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]
 
-    def documents(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> Documents:
+    def documents(self, tokens: torch.Tensor, position_ids: torch.Tensor | None,
+                  documents: Documents | None = None) -> Documents:
+        """The micro-batch's documents: ``documents`` when the caller built them (the trainer does, from
+        the batch's host copy, so that counting them reads nothing back from the GPU), else from
+        ``position_ids`` (one document per row without them); on CUDA with FlexAttention, with the
+        block mask."""
+        if documents is None:
+            documents = self._documents(tokens, position_ids)
+        flex = document_attention.DOCUMENT_ATTENTION == "flex" and documents.block_mask is None
+        if flex and tokens.is_cuda and not documents.one_per_row and documents.shard is None:
+            documents = dataclasses.replace(documents, block_mask=document_attention.document_block_mask(documents.doc_ids))
+        return documents
+
+    def _documents(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> Documents:
         if position_ids is None and self.context is None:  # one document per row: no host sync
             return Documents.single(*tokens.shape, device=tokens.device)
         if position_ids is None:
             position_ids = self.context.global_index(tokens.shape[1], tokens.device).expand_as(tokens)
         if self.context is None:
-            docs = Documents.from_position_ids(position_ids, bucket=self.bucket_documents)
-            if position_ids.is_cuda and not docs.one_per_row and document_attention.DOCUMENT_ATTENTION == "flex":
-                docs.block_mask = document_attention.document_block_mask(docs.doc_ids)
-            return docs
+            return Documents.from_position_ids(position_ids, bucket=self.bucket_documents)
         return Documents.for_shard(position_ids, self.context)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -83,8 +95,9 @@ class K3Model(nn.Module):
         return total / count.clamp(min=1)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        docs = self.documents(tokens, position_ids)
+                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        docs = self.documents(tokens, position_ids, documents)
         partial = self.embed(tokens)
         bank: list[torch.Tensor] = []
         for layer in self.layers:

@@ -1,5 +1,6 @@
-"""``batch_to_device`` on CUDA (run with ``pytest -m gpu``): the micro-batch arrives intact, and the call
-does not wait for the kernels already queued (a copy from pageable host memory would)."""
+"""``batch_to_device`` and ``Documents.to`` on CUDA (run with ``pytest -m gpu``): the micro-batch and its
+documents arrive intact, and the calls do not wait for the kernels already queued (a copy from pageable
+host memory would, and so would counting the documents on the device)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from k3train.data.batches import batch_to_device
+from k3train.model.documents import Documents
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -25,6 +27,26 @@ def test_copy_is_exact_and_does_not_wait_for_queued_kernels():
     torch.cuda.synchronize()
     for k, v in batch.items():
         assert out[k].device.type == "cuda" and out[k].dtype == v.dtype and torch.equal(out[k].cpu(), v), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_documents_from_the_host_batch_do_not_wait_for_queued_kernels():
+    dev = torch.device("cuda")
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ([1000, 3000, 96], [4096])])
+    a = torch.randn(8192, 8192, device=dev)
+    torch.cuda.synchronize()
+    for _ in range(20):
+        a = a @ a / 8192**0.5
+    queued = torch.cuda.Event()
+    queued.record()
+    docs = Documents.from_position_ids(pos, bucket=True).to(dev)
+    assert not queued.query(), "building the documents waited for the kernels queued before them"
+    want = Documents.from_position_ids(pos.to(dev), bucket=True)
+    for name in ("position_ids", "doc_ids", "cu_seqlens"):
+        got = getattr(docs, name)
+        assert got.device.type == "cuda" and torch.equal(got, getattr(want, name)), name
+    assert docs.one_per_row == want.one_per_row
 
 
 def test_cpu_batches_stay_as_they_are():

@@ -46,6 +46,9 @@ def _body(rank: int, world: int, out_dir: str) -> None:
         logged = trainer.train_step()  # step 1 logs
         assert "muon_update_rms" in logged and "qk_clip_heads" in logged and "expert_load_max_over_mean" in logged
         trainer.step = 2
+        built = []  # the trainer hands the model documents counted on the host batch
+        model_documents = trainer.model._documents
+        trainer.model._documents = lambda *a: built.append(1) or model_documents(*a)
         reads = HostReads()
         with reads:
             record = trainer.train_step()  # step 3 of 10 at log_every=100: logs nothing
@@ -54,6 +57,7 @@ def _body(rank: int, world: int, out_dir: str) -> None:
     loop = {site: n for site, n in reads.sites.items() if site.startswith(tuple(s[len("k3train/"):] for s in LOOP_LAYERS))}
     print(dict(reads.sites))
     assert loop == {"training/loop.py:train_step": 1}, loop
+    assert not built, "the model counted the documents itself (a read-back on a GPU)"
     assert not record["skipped"] and "expert_load_max_over_mean" not in record and "muon_update_rms" not in record
 
 
