@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from k3train.config.schema import COMPILE_MODES, RECOMPUTE_POLICIES, ModelConfig, OptimConfig
+from k3train.model.documents import Documents
 from k3train.model.k3 import K3Model
 from k3train.model.kda import KimiDeltaAttention
 from k3train.optim.builder import build_optimizer
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     g = torch.Generator().manual_seed(1)  # the batch, the same for every variant
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    pos = None if args.mean_doc is None else packed_position_ids(args.batch, args.seq, args.mean_doc).to(device)
+    pos = None if args.mean_doc is None else packed_position_ids(args.batch, args.seq, args.mean_doc)  # on the host
 
     print(f"{'model':>12} {'B×T':>10} {'kda':>6} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
@@ -251,7 +252,9 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         if compiled_mode:
             begin_forward(compiled_mode)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(x, pos, labels=y)
+            # as the trainer: the documents counted on the host batch, then moved (no read-back)
+            docs = None if pos is None else Documents.from_position_ids(pos, bucket=model.bucket_documents).to(device)
+            loss = model(x, labels=y, documents=docs)
         t.append(tick())
         loss.backward()
         grads.reduce()
