@@ -21,7 +21,8 @@ with it stopped at the first evaluation on four tensors of the pool that no grap
 for: KDA's four chunk tables, which its custom op remembered (a CPU test now asserts that a compiled
 step keeps no tensor it allocates). With that and the padded document offsets below, the trainer's
 bench-1B run trained at 128–132 ms a step with Muon; it has not yet been seen through an evaluation
-under CUDA graphs, so "default" stays the default (docs/operating.md).
+under CUDA graphs (which now runs the layers eagerly: ``eager_layers``), so "default" stays the default
+(docs/operating.md).
 
 The embedding and the output head stay eager. The number of packed documents changes from batch to
 batch: the model pads ``Documents.cu_seqlens`` with empty documents to the next power of two (at
@@ -33,6 +34,8 @@ recorded for each new count.)
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -60,6 +63,14 @@ def compile_layers(model: K3Model, backend: str = "inductor", mode: str = "defau
         layer.compile(backend=backend, dynamic=False, **options)
     model.bucket_documents = True
     return len(model.layers)
+
+
+def eager_layers(compiled: bool):
+    """A context in which compiled layers run eagerly (``torch.compiler.set_stance("force_eager")``;
+    nothing when ``compiled`` is false). The trainer evaluates in it: a no-grad forward would compile,
+    and under CUDA graphs record, a second graph per layer kind, which took longer than the session-10
+    bench-1B runs allowed it (70–150 s) for a few forwards of a few micro-batches."""
+    return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
 def begin_forward(mode: str) -> None:

@@ -48,7 +48,7 @@ from k3train.precision.main_params import MainParams
 from k3train.training.checkpoint import load_checkpoint, remove_incomplete_saves, save_checkpoint
 from k3train.training.checkpoint_writer import CheckpointWriter
 from k3train.training.collective_timeout import set_collective_timeout
-from k3train.training.compile import begin_forward, compile_layers
+from k3train.training.compile import begin_forward, compile_layers, eager_layers
 from k3train.training.profiling import PhaseTimer, StepProfiler
 from k3train.training.recompute import apply_recompute
 from k3train.training.flops import peak_flops, train_flops_per_token
@@ -367,7 +367,8 @@ class Trainer:
         self.model.eval()
         g, t = self.groups, self.cfg.train
         it = BatchIterator(self.valid_ds, t.micro_batch_size, g.dp_rank, g.dp_size, context=self.model.context)
-        losses = self.schedule.evaluate([next(it) for _ in range(t.eval_iters)])
+        with eager_layers(t.compile):  # no second (no-grad) set of compiled graphs for a few forwards
+            losses = self.schedule.evaluate([next(it) for _ in range(t.eval_iters)])
         if g.dp_cp_size > 1:
             dist.all_reduce(losses, group=g.dp_cp)
             losses /= g.dp_cp_size

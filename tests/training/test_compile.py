@@ -27,7 +27,7 @@ from k3train.config.schema import K3Config, ModelConfig
 from k3train.config.validate import ConfigError, validate
 from k3train.model.documents import Documents
 from k3train.model.k3 import K3Model
-from k3train.training.compile import compile_layers
+from k3train.training.compile import compile_layers, eager_layers
 
 # Four layers of three kinds: KDA + dense FFN writing a block, KDA + MoE (twice), MLA + MoE.
 CFG = ModelConfig(num_layers=4, full_attn_layers=[4])
@@ -75,6 +75,26 @@ def test_compiled_layers_match_eager_share_graphs_and_never_break():
         assert b.load.computed == 2 * 2 * SEQ * CFG.num_experts_per_token
         assert a.load.computed == 0  # counted eagerly only (read under expert parallelism, which compile excludes)
         torch.testing.assert_close(a.balancer.counts, b.balancer.counts, rtol=0, atol=0)
+
+
+def test_evaluation_runs_the_compiled_layers_eagerly():
+    """``eager_layers`` (the trainer's evaluation): a no-grad forward of the compiled model compiles no
+    graph of its own and equals the eager model's bit for bit; outside it the layers compile again."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = K3Model(CFG).eval()
+    compiled = copy.deepcopy(eager)
+    compile_layers(compiled, backend="aot_eager")
+    tokens = torch.randint(0, CFG.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), eager_layers(True):
+        got = compiled(tokens)
+    assert not counters["stats"]["unique_graphs"], dict(counters["stats"])
+    with torch.no_grad():
+        assert torch.equal(got, eager(tokens))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # compiled graphs take bf16 activations
+            compiled(tokens)
+    assert counters["stats"]["unique_graphs"] > 0  # the context, not the model, kept the layers eager
 
 
 @triton_cpu
