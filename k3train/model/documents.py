@@ -41,6 +41,7 @@ class Documents:
     query_index: torch.Tensor | None = None  # [T_local] int64, position of each local token in the row
     key_doc_ids: torch.Tensor | None = None  # [B, T] int64, doc_ids of the whole rows
     block_mask: BlockMask | None = None  # FlexAttention's form of MLA's mask (packed rows on CUDA)
+    offsets: tuple[int, ...] | None = None  # cu_seqlens's values, when they were counted on the host
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor, bucket: bool = False) -> "Documents":
@@ -59,7 +60,9 @@ class Documents:
         # The document count varies from batch to batch: compiled layers (train.compile) take it as a
         # symbolic size instead of recompiling for each count.
         torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
-        return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=one_per_row)
+        offsets = None if cu_seqlens.is_cuda else tuple(cu_seqlens.tolist())
+        return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=one_per_row,
+                   offsets=offsets)
 
     def to(self, device: torch.device) -> "Documents":
         """These documents on ``device`` (built from a host batch): to a GPU through pinned memory,

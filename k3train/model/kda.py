@@ -25,7 +25,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from kernels.kda import kda as kda_op
+from kernels.kda import kda as kda_op, known_offsets
 from kernels.short_conv import causal_conv_with_resets
 from k3train.config.schema import ModelConfig
 from k3train.model.documents import Documents
@@ -109,6 +109,8 @@ class KimiDeltaAttention(nn.Module):
             # One document per row: the rows as they are. Else the batch packed into one row, so that
             # the kernel resets its state at every document start.
             rows, cu_seqlens = (B, None) if docs.one_per_row else (1, docs.cu_seqlens)
+            if cu_seqlens is not None and docs.offsets is not None and not torch.compiler.is_compiling():
+                known_offsets(cu_seqlens, docs.offsets)  # counted on the host: the kernel's check reads nothing back
 
             def flat(t: torch.Tensor) -> torch.Tensor:
                 return t.reshape(rows, B * T // rows, *t.shape[2:]).contiguous()

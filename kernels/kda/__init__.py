@@ -9,6 +9,7 @@ See docs/kda_notes.md for the design and measured numbers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -37,22 +38,30 @@ def _check(cond: bool, msg: str) -> None:
 _CHECKED = TensorMemo()  # cu_seqlens → its checked values (tuple)
 
 
+def _checked(cu: Sequence[int], T: int) -> tuple[int, ...]:
+    _check(cu[0] == 0, f"cu_seqlens must start at 0, got {cu[0]}")
+    _check(cu[-1] == T, f"cu_seqlens must end at T = {T}, got {cu[-1]}")
+    last = cu.index(T)  # the end of the last document; empty ones may follow
+    _check(all(b > a for a, b in zip(cu[:last], cu[1:last + 1])),
+           "cu_seqlens must be strictly increasing up to T (empty documents only at the end)")
+    return tuple(cu)
+
+
 def _checked_offsets(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """The values of ``cu_seqlens`` (0 = c_0 < c_1 < … < c_N = T; empty documents, c_n = c_{n+1}, only
-    at the end, where callers pad to a fixed length) as a list, checked. Read back once
-    per tensor and version (a host sync for a device tensor; the model passes one tensor to all its
-    KDA layers), then remembered."""
+    at the end, where callers pad to a fixed length) as a list, checked. Read back once per tensor and
+    version (a host sync for a device tensor; the model passes one tensor to all its KDA layers), then
+    remembered, unless ``known_offsets`` gave them first."""
+    return list(_CHECKED.get(cu_seqlens, T, lambda: _checked(cu_seqlens.tolist(), T)))
 
-    def read() -> tuple[int, ...]:
-        cu = cu_seqlens.tolist()
-        _check(cu[0] == 0, f"cu_seqlens must start at 0, got {cu[0]}")
-        _check(cu[-1] == T, f"cu_seqlens must end at T = {T}, got {cu[-1]}")
-        last = cu.index(T)  # the end of the last document; empty ones may follow
-        _check(all(b > a for a, b in zip(cu[:last], cu[1:last + 1])),
-               "cu_seqlens must be strictly increasing up to T (empty documents only at the end)")
-        return tuple(cu)
 
-    return list(_CHECKED.get(cu_seqlens, T, read))
+def known_offsets(cu_seqlens: torch.Tensor, values: Sequence[int]) -> None:
+    """The values of ``cu_seqlens`` (a device tensor) that the caller also holds on the host, e.g. counted
+    on the host copy of the batch: checked now, so that checking the tensor later reads nothing back."""
+    values = [int(v) for v in values]
+    _check(len(values) == cu_seqlens.numel() >= 2,
+           f"known_offsets: {len(values)} values for a cu_seqlens of {cu_seqlens.numel()} entries")
+    _CHECKED.get(cu_seqlens, values[-1], lambda: _checked(values, values[-1]))
 
 
 def validate_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,

@@ -53,3 +53,33 @@ def test_cpu_batches_stay_as_they_are():
     batch = {"tokens": torch.arange(6).view(2, 3)}
     out = batch_to_device(batch, torch.device("cpu"))
     assert torch.equal(out["tokens"], batch["tokens"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_forward_backward_reads_nothing_back():
+    """k3_tiny_kernel (K3 head dims, every Triton kernel) on packed rows, given the documents counted on the
+    host as the trainer gives them: forward and backward under ``set_sync_debug_mode("error")``, so any
+    read-back (a document count, KDA's offset check, a routing count) raises."""
+    from pathlib import Path
+
+    import yaml
+
+    from k3train.config.schema import ModelConfig
+    from k3train.model.k3 import K3Model
+
+    cfg = ModelConfig(**yaml.safe_load((Path(__file__).parents[2] / "conf/model/k3_tiny_kernel.yaml").read_text()))
+    model = K3Model(cfg).cuda()
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ([100, 300, 112], [512])])
+    tokens, labels = (torch.randint(0, cfg.vocab_size, (2, 512), device="cuda") for _ in range(2))
+    for _ in range(2):  # the first call also warms up (Triton compiles, lazy inits)
+        docs = Documents.from_position_ids(pos).to(torch.device("cuda"))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(tokens, labels=labels, documents=docs)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)

@@ -326,6 +326,22 @@ def test_triton_interpreter_tables_once_per_cu_seqlens(monkeypatch):
     assert torch.equal(moved, mod.kda_triton(*xs[:7], cu_seqlens=torch.tensor([0, 23, 40]))[0])
 
 
+def test_known_offsets_spare_the_read_back(monkeypatch):
+    """Offsets the caller counted on the host (the trainer's documents) are checked when given, and the
+    kernels' check of the tensor then reads nothing back; wrong ones raise at once."""
+    from kernels.kda import known_offsets, validate_inputs
+
+    xs = make_inputs(1, 40, 2, 16, 16, N=3)
+    cu = torch.tensor([0, 17, 40, 40])
+    known_offsets(cu, [0, 17, 40, 40])
+    reads = _count_reads(monkeypatch)
+    assert validate_inputs(*xs[:7], -5.0, None, None, cu) == (3, [0, 17, 40, 40])
+    assert reads == []
+    for bad in ([0, 17, 40], [0, 17, 17, 40], [1, 17, 40, 40]):
+        with pytest.raises(ValueError, match="kda"):
+            known_offsets(torch.tensor([0, 17, 40, 40]), bad)
+
+
 def test_cu_seqlens_values_are_read_once_per_tensor(monkeypatch):
     """The model passes one cu_seqlens to every KDA layer: only the first call reads it back (a host
     sync on the GPU); an in-place change is read and checked again."""
