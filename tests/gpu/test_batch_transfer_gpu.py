@@ -72,10 +72,10 @@ def test_packed_forward_backward_reads_nothing_back():
     model = K3Model(cfg).cuda()
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ([100, 300, 112], [512])])
     tokens, labels = (torch.randint(0, cfg.vocab_size, (2, 512), device="cuda") for _ in range(2))
-    for _ in range(2):  # the first call also warms up (Triton compiles, lazy inits)
+    for watched in (False, True):  # the first call warms up (Triton compiles and tunes, lazy inits)
         docs = Documents.from_position_ids(pos).to(torch.device("cuda"))
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode("error" if watched else "default")
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(tokens, labels=labels, documents=docs)
