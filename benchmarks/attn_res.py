@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-from kernels.attn_res import attn_res_aggregate  # noqa: E402
+from kernels.attn_res import attn_res_aggregate, triton_attn_res  # noqa: E402
 from op_timing import held_mib, median_ms  # noqa: E402
 
 
@@ -76,25 +76,35 @@ def main() -> None:
     p.add_argument("--sources", type=int, nargs="+", default=[2, 5])
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--tiles", nargs="+", default=None, metavar="MxW",
+                   help="GPU tiles to sweep, as tokens x warps per program (e.g. 4x8 8x8 8x4); default: the "
+                        "kernels' own (kernels/attn_res/triton_attn_res.py GPU_BLOCK_M, GPU_NUM_WARPS)")
     p.add_argument("--small", action="store_true", help="64 tokens, d 96, 2 reps: a dry run")
     p.add_argument("--json", default="attn_res_bench.json")
     args = p.parse_args()
     if args.small:
         args.tokens, args.dim, args.warmup, args.rep = 64, 96, 1, 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles] if args.tiles else [
+        (triton_attn_res.GPU_BLOCK_M, triton_attn_res.GPU_NUM_WARPS)]
     rows = []
     for S in args.sources:
-        check(S, args.tokens, args.dim, device)
-        rows += [measure(S, args.tokens, args.dim, b, device, args.warmup, args.rep) for b in ("torch", "triton")]
+        rows.append(measure(S, args.tokens, args.dim, "torch", device, args.warmup, args.rep))
+        for block_m, warps in tiles:  # the kernels read the tile at each launch
+            triton_attn_res.GPU_BLOCK_M, triton_attn_res.GPU_NUM_WARPS = block_m, warps
+            check(S, args.tokens, args.dim, device)
+            row = measure(S, args.tokens, args.dim, "triton", device, args.warmup, args.rep)
+            rows.append({**row, "tile": f"{block_m}x{warps}"})
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"AttnRes aggregation, {args.tokens} tokens, d={args.dim}, fp32 sources, {name}")
-    print(f"{'S':>2} {'backend':>7} {'fwd ms':>8} {'fwd GB/s':>9} {'f+b ms':>8} {'f+b GB/s':>9} "
+    print(f"{'S':>2} {'backend':>12} {'fwd ms':>8} {'fwd GB/s':>9} {'f+b ms':>8} {'f+b GB/s':>9} "
           f"{'held MiB':>9} {'f+b speedup':>11}")
     for r in rows:
         torch_row = next(x for x in rows if x["S"] == r["S"] and x["backend"] == "torch")
         r["fwd_bwd_speedup_vs_torch"] = torch_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
         held = "n/a" if r["held_MiB"] is None else f"{r['held_MiB']:.0f}"
-        print(f"{r['S']:>2} {r['backend']:>7} {r['fwd_ms']:>8.3f} {r['fwd_GBps']:>9.0f} {r['fwd_bwd_ms']:>8.3f} "
+        backend = r["backend"] + (f" {r['tile']}" if "tile" in r else "")
+        print(f"{r['S']:>2} {backend:>12} {r['fwd_ms']:>8.3f} {r['fwd_GBps']:>9.0f} {r['fwd_bwd_ms']:>8.3f} "
               f"{r['fwd_bwd_GBps']:>9.0f} {held:>9} {r['fwd_bwd_speedup_vs_torch']:>10.2f}x")
     with open(args.json, "w") as f:
         json.dump({"device": name, "tokens": args.tokens, "dim": args.dim, "torch": torch.__version__,
