@@ -4,8 +4,8 @@
     python benchmarks/train_step.py --model k3_tiny --batch 1 --seq 256 --steps 2 --warmup 1   # CPU smoke run
 
 One step = forward + backward of one micro-batch (one document per row, or with ``--mean-doc`` rows
-packed with documents as the trainer's data packs them: MLA's document mask, KDA's varlen path) under bf16 autocast + the optimizer + Quantile
-Balancing (the trainer's per-step bias update). ``--optim`` picks the optimizer by its conf/optim/*.yaml
+packed with documents as the trainer's data packs them: MLA's document mask, KDA's varlen path) under
+bf16 autocast + the optimizer + Quantile Balancing (the trainer's per-step bias update). ``--optim`` picks the optimizer by its conf/optim/*.yaml
 (default: the trainer's, conf/config.yaml), built with ``k3train.optim.builder.build_optimizer`` as the
 trainer builds it; with Muon's ``qk_clip_tau`` the optimizer phase includes QK-clip, as in the trainer.
 The trainer's gradient norm, clipping, step guard and LR schedule are not part of the step.

@@ -60,9 +60,9 @@ class Documents:
         # The document count varies from batch to batch: compiled layers (train.compile) take it as a
         # symbolic size instead of recompiling for each count.
         torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
-        offsets = None if cu_seqlens.is_cuda else tuple(cu_seqlens.tolist())
+        host_offsets = None if cu_seqlens.is_cuda else tuple(cu_seqlens.tolist())  # on the host: no read-back
         return cls(position_ids=position_ids, doc_ids=doc_ids, cu_seqlens=cu_seqlens, one_per_row=one_per_row,
-                   offsets=offsets)
+                   offsets=host_offsets)
 
     def to(self, device: torch.device) -> "Documents":
         """These documents on ``device`` (built from a host batch): to a GPU through pinned memory,

@@ -63,7 +63,8 @@ class K3Model(nn.Module):
             documents = self._documents(tokens, position_ids)
         flex = document_attention.DOCUMENT_ATTENTION == "flex" and documents.block_mask is None
         if flex and tokens.is_cuda and not documents.one_per_row and documents.shard is None:
-            documents = dataclasses.replace(documents, block_mask=document_attention.document_block_mask(documents.doc_ids))
+            block_mask = document_attention.document_block_mask(documents.doc_ids)
+            documents = dataclasses.replace(documents, block_mask=block_mask)
         return documents
 
     def _documents(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> Documents:
