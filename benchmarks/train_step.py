@@ -20,7 +20,7 @@ fla imports and CUDA is there): each variant is a fresh model from the same seed
 the same batch, with a fresh optimizer of the same config, one after the other in this process; the
 summary line gives the time ratio ours/fla per step and per phase (< 1: ours is faster).
 
-Per-phase times (forward, backward, optimizer, QB) come
+Per-phase times (forward, backward, comm, optimizer, QB) come
 from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
 prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
 kernels grouped by kind and the top kernels by GPU time, and (eager runs) the GPU time and kernels
@@ -36,6 +36,12 @@ does (``k3train.training.compile``; ``--compile-mode``, default reduce-overhead:
 it again with the same batch and optimizer: a second row
 per KDA variant (``"compile": true``) with the first (compiling) step's time, the compile time (that
 step minus an eager step), and the number of compiled graphs and graph breaks.
+Under ``torchrun --nproc-per-node N`` the step is data parallel over the N ranks, as the trainer runs it
+(``parallel`` defaults: DP = N): each rank its own batch of ``--batch`` rows, the bucketed gradient
+all-reduce started during the backward (``GradBuffers.last_backward``) and finished in the "comm"
+phase, Muon's Newton–Schulz shared out over the ranks, QB over all of them. The figures are the slowest
+rank's (the largest mean step and phase times); tokens/s counts every rank's tokens, TFLOP/s and MFU are
+per GPU; rank 0 prints and writes the JSON (``world_size`` in each row).
 Writes JSON: ``{"rows": [one per variant, with "kda", "optim" and "compile"], "ours_over_fla": {...} or null}``.
 
 Without CUDA the step runs on CPU in fp32 (the trainer's ``precision: auto`` there; our kernels' torch
@@ -47,20 +53,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from k3train.config.schema import COMPILE_MODES, RECOMPUTE_POLICIES, ModelConfig, OptimConfig
+from k3train.config.schema import COMPILE_MODES, RECOMPUTE_POLICIES, ModelConfig, OptimConfig, ParallelConfig
 from k3train.model.documents import Documents
 from k3train.model.k3 import K3Model
 from k3train.model.kda import KimiDeltaAttention
 from k3train.optim.builder import build_optimizer
 from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
+from k3train.parallel.state import ParallelGroups, destroy_parallel, init_parallel
 from k3train.precision.main_params import MainParams
 from k3train.training.compile import begin_forward, compile_layers
 from k3train.training.flops import train_flops_per_token
@@ -71,7 +81,7 @@ from packed_documents import packed_position_ids
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
 DATASHEET_TFLOPS = 989.0
 CONF = Path(__file__).resolve().parents[1] / "conf"
-PHASES = ("forward", "backward", "optimizer", "qb")
+PHASES = ("forward", "backward", "comm", "optimizer", "qb")
 
 
 def model_config(name: str) -> ModelConfig:
@@ -185,6 +195,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    groups, owned = None, False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: data parallel over every rank
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        owned = not dist.is_initialized()
+        groups = init_parallel(ParallelConfig(), device)
+    quiet = groups is not None and groups.rank > 0  # rank 0 prints and writes the JSON
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            return run(args, device, groups)
+    finally:
+        if owned:
+            destroy_parallel()
+
+
+def run(args, device: torch.device, groups: ParallelGroups | None) -> list[dict]:
+    """Every variant's rows on ``device``, data parallel over ``groups`` when given."""
     args.params = args.params or ("bf16" if device.type == "cuda" else "fp32")
     if device.type == "cpu" and args.params == "bf16":
         sys.exit("train_step: --params bf16 needs bf16 autocast, i.e. a GPU (on CPU the step runs in fp32)")
@@ -194,14 +222,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.optim = args.optim or default_optim()
     variants = kda_variants(args.kda)
     cfg, ocfg = model_config(args.model), optim_config(args.optim)
-    g = torch.Generator().manual_seed(1)  # the batch, the same for every variant
+    # the batch, the same for every variant; each data-parallel rank its own
+    g = torch.Generator().manual_seed(1 + (groups.dp_rank if groups is not None else 0))
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     pos = None if args.mean_doc is None else packed_position_ids(args.batch, args.seq, args.mean_doc)  # on the host
 
     print(f"{'model':>12} {'B×T':>10} {'kda':>6} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, x, y, pos, device)]
+    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, x, y, pos, device, groups)]
     by = {r["kda"]: r for r in rows if not r["compile"]}
     ratio = None
     if "ours" in by and "fla" in by:
@@ -209,7 +238,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ratio = {"step_ms": ours["step_ms"] / fla["step_ms"],
                  **{k: ours["phase_ms"][k] / fla["phase_ms"][k] for k in PHASES if fla["phase_ms"][k] > 0}}
         print("time ours/fla (< 1: ours faster): " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()))
-    Path(args.json).write_text(json.dumps({"rows": rows, "ours_over_fla": ratio}, indent=2))
+    if groups is None or groups.rank == 0:
+        Path(args.json).write_text(json.dumps({"rows": rows, "ours_over_fla": ratio}, indent=2))
     return rows
 
 
@@ -218,7 +248,7 @@ def _fmt(v, spec: str, width: int) -> str:
 
 
 def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Tensor, y: torch.Tensor,
-                pos: torch.Tensor | None, device: torch.device) -> list[dict]:
+                pos: torch.Tensor | None, device: torch.device, groups: ParallelGroups | None) -> list[dict]:
     """Build the model (seed 0) with the ``kda`` kernel, time ``args.steps`` steps, print its line; with
     ``args.compile`` then compile its layers and time it again. Its rows (eager, then compiled)."""
     cuda = device.type == "cuda"
@@ -229,9 +259,9 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
     if ocfg.qk_clip_tau:  # as the trainer: the MLA layers track their max logit for QK-clip
         track_max_logits(model)
     main = MainParams(model, torch.bfloat16 if args.params == "bf16" else torch.float32)
-    grads = GradBuffers(model, None)
+    grads = GradBuffers(model, groups)
     apply_recompute(model, args.recompute)
-    opt = build_optimizer(model, ocfg)
+    opt = build_optimizer(model, ocfg, groups)
     if hasattr(opt, "check_finite"):  # as the trainer, whose step guard checks the gradient norm instead
         opt.check_finite = False
 
@@ -256,8 +286,10 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
             docs = None if pos is None else Documents.from_position_ids(pos, bucket=model.bucket_documents).to(device)
             loss = model(x, labels=y, documents=docs)
         t.append(tick())
+        grads.last_backward()  # data parallel: each bucket's all-reduce starts once its gradients are in
         loss.backward()
-        grads.reduce()
+        t.append(tick())
+        grads.reduce()  # the all-reduces' tail, the division
         t.append(tick())
         opt.step()
         if ocfg.qk_clip_tau:
@@ -265,7 +297,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         main.sync_model()
         t.append(tick())
         for layer in moe:
-            layer.update_bias()
+            layer.update_bias(groups.dp_cp if groups else None)
             layer.load.reset()
         t.append(tick())
         ticks.append(t)
@@ -297,18 +329,24 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         dt = (time.perf_counter() - t0) / args.steps
         phase_ms = {name: sum(elapsed_ms(t[i], t[i + 1]) for t in ticks) / len(ticks)
                     for i, name in enumerate(PHASES)}
+        world = groups.world_size if groups is not None else 1
+        if world > 1:  # the slowest rank sets the pace: the largest mean step and phase times over the ranks
+            slowest = torch.tensor([dt, *phase_ms.values()], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dt, *values = slowest.tolist()
+            phase_ms = dict(zip(PHASES, values))
         qb_ms = phase_ms["qb"]
         # The eager step is host-bound, and the host's speed drifts within a lease: the median step
         # (first to last event) is steadier than the mean for A/B comparisons across processes.
         per_step = sorted(elapsed_ms(t[0], t[-1]) for t in ticks)
-        tok = args.batch * args.seq
-        tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12
+        tok = args.batch * args.seq  # per rank
+        tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12  # per GPU
         dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
         row = {"model": args.model, "kda": kda, "optim": args.optim, "compile": compiled, "batch": args.batch,
                "seq": args.seq, "mean_doc": args.mean_doc, "dtype": dtype, "recompute": args.recompute,
                "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
                "step_ms_median": per_step[len(per_step) // 2], "step_ms_min": per_step[0],
-               "tokens_per_s": tok / dt, "model_tflops": tflops,
+               "world_size": world, "tokens_per_s": world * tok / dt, "model_tflops": tflops,
                "mfu_datasheet": tflops / DATASHEET_TFLOPS if cuda else None,
                "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS if cuda else None,
                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

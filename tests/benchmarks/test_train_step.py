@@ -1,5 +1,6 @@
 """benchmarks/train_step.py on CPU: the KDA mixer's kernel seam, the fla adapter's argument mapping (with a
-CPU stand-in for fla's chunk_kda), and the benchmark end to end with Muon and AdamW (k3_tiny, one step)."""
+CPU stand-in for fla's chunk_kda), the benchmark end to end with Muon and AdamW (k3_tiny, one step), and
+data parallel over two gloo ranks as under torchrun."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kernels.kda import kda, kda_chunked
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import train_step  # noqa: E402
+from multiprocess import run_ranks  # noqa: E402
 
 
 def fake_chunk_kda(calls):
@@ -81,7 +83,7 @@ def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_p
     (row,) = res["rows"]
     assert row["kda"] == "ours" and row["optim"] == optim and row["gpu"] == "cpu" and row["mfu_datasheet"] is None
     assert row["mean_doc"] == (8 if packed else None)
-    assert row["step_ms"] > 0 and set(row["phase_ms"]) == {"forward", "backward", "optimizer", "qb"}
+    assert row["step_ms"] > 0 and set(row["phase_ms"]) == {"forward", "backward", "comm", "optimizer", "qb"}
     assert torch.isfinite(torch.tensor([row["first_loss"], row["loss"]])).all()
     assert f" ours {optim:>5} " in capsys.readouterr().out
 
@@ -108,3 +110,24 @@ def test_compile_without_a_gpu_is_a_one_line_error():
         train_step.main(["--model", "k3_tiny", "--kda", "ours", "--compile"])
     message = str(exit_.value.code)
     assert message.startswith("train_step: --compile needs a GPU") and "\n" not in message
+
+
+def _data_parallel_rank(rank: int, world: int, out: str) -> None:
+    rows = train_step.main(["--model", "k3_tiny", "--batch", "1", "--seq", "32", "--steps", "2", "--warmup", "1",
+                            "--kda", "ours", "--optim", "muon", "--mean-doc", "8", "--json", out])
+    assert [r["world_size"] for r in rows] == [2], rows
+    # every rank reports the slowest rank's figures
+    figures = torch.tensor([rows[0]["step_ms"], *rows[0]["phase_ms"].values()], dtype=torch.float64)
+    theirs = figures.clone()
+    torch.distributed.broadcast(theirs, src=0)
+    assert torch.equal(figures, theirs), (figures, theirs)
+
+
+def test_benchmark_runs_data_parallel_on_two_ranks(tmp_path):
+    """Two ranks (as ``torchrun --nproc-per-node 2``): data parallel over both (bucketed gradient
+    all-reduce, Muon's Newton–Schulz split over the ranks, QB over both); rank 0 writes the JSON."""
+    out = tmp_path / "ts.json"
+    run_ranks(2, _data_parallel_rank, str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["world_size"] == 2 and set(row["phase_ms"]) == set(train_step.PHASES)
+    assert row["tokens_per_s"] > 0 and torch.isfinite(torch.tensor([row["first_loss"], row["loss"]])).all()
