@@ -64,7 +64,6 @@ import torch
 import torch.distributed as dist
 
 from k3train.config.schema import COMPILE_MODES, RECOMPUTE_POLICIES, ModelConfig, OptimConfig, ParallelConfig
-from k3train.model.documents import Documents
 from k3train.model.k3 import K3Model
 from k3train.model.kda import KimiDeltaAttention
 from k3train.optim.builder import build_optimizer
@@ -283,7 +282,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
             begin_forward(compiled_mode)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             # as the trainer: the documents counted on the host batch, then moved (no read-back)
-            docs = None if pos is None else Documents.from_position_ids(pos, bucket=model.bucket_documents).to(device)
+            docs = None if pos is None else model.host_documents(pos, device)
             loss = model(x, labels=y, documents=docs)
         t.append(tick())
         grads.last_backward()  # data parallel: each bucket's all-reduce starts once its gradients are in

@@ -67,6 +67,14 @@ class K3Model(nn.Module):
             documents = dataclasses.replace(documents, block_mask=block_mask)
         return documents
 
+    def host_documents(self, position_ids: torch.Tensor, device: torch.device) -> Documents | None:
+        """The documents of a host batch's ``position_ids`` [B, T], counted on the host and moved to
+        ``device`` (``Documents.to``): nothing read back from the GPU. None under context parallelism,
+        whose shards' documents are built on the devices."""
+        if self.context is not None:
+            return None
+        return Documents.from_position_ids(position_ids, bucket=self.bucket_documents).to(device)
+
     def _documents(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> Documents:
         if position_ids is None and self.context is None:  # one document per row: no host sync
             return Documents.single(*tokens.shape, device=tokens.device)

@@ -36,7 +36,6 @@ import torch.distributed as dist
 from k3train.config.schema import K3Config
 from k3train.config.validate import precision_dtypes
 from k3train.data.batches import batch_to_device
-from k3train.model.documents import Documents
 from k3train.model.k3 import K3Model
 from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
@@ -232,10 +231,7 @@ class Trainer:
     # --- one step --------------------------------------------------------------------------
     def _forward(self, batch: dict) -> torch.Tensor:
         b = batch_to_device(batch, self.device)
-        docs = None
-        if self.model.context is None:  # counted on the host copy: nothing read back from the device
-            docs = Documents.from_position_ids(batch["position_ids"], bucket=self.model.bucket_documents)
-            docs = docs.to(self.device)
+        docs = self.model.host_documents(batch["position_ids"], self.device)  # no read-back to count them
         if self.cfg.train.compile:
             begin_forward(self.cfg.train.compile_mode)
         with _autocast(self.device, self.compute_dtype):

@@ -84,7 +84,10 @@ class PipelineSchedule:
     def _run(self, batches: list[dict], actions_of, grad: bool) -> list[torch.Tensor]:
         m = len(batches)
         self.inputs = [batch_to_device(b, self.device) for b in batches]
-        self.docs = [self.model.documents(b["tokens"], b["position_ids"]) for b in self.inputs]
+        self.docs = []
+        for host, moved in zip(batches, self.inputs):  # counted on the host batches: no read-back
+            given = self.model.host_documents(host["position_ids"], self.device)
+            self.docs.append(self.model.documents(moved["tokens"], moved["position_ids"], given))
         self.caches = [RowCache() for _ in range(m)]
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: list[torch.Tensor] = []
