@@ -19,12 +19,11 @@ four ways from the micro-batch's ``Documents``:
 
 ``DOCUMENT_ATTENTION`` selects the way for packed rows on CUDA; it is "sdpa". Measured at bench-1B
 shapes (one H200, ``benchmarks/mla_attention.py``, 2026-12-01): FlexAttention 1.49 ms forward+backward
-against the dense mask's 2.72 ms (causal SDPA on one document per row: 0.79 ms), but the trainer's
-compiled bench-1B run with it spent seconds to a minute a step (recompiling, by every sign: the block
-mask's function was a new closure every micro-batch, and torch.compile guards on the function object),
-and building the mask took 5.8 ms. The mask function is now one object that reads the micro-batch's
-document ids from ``_DOCUMENT_IDS`` (each compiled call lifts them as a graph input, so a backward
-reads its own batch's ids) and the mask is built compiled; "varlen" is new. Neither is measured yet.
+against the dense mask's 2.72 ms (causal SDPA on one document per row: 0.79 ms), and building its mask
+uncompiled took 5.8 ms (now built compiled on CUDA). But the trainer's compiled bench-1B run with it
+took 1.5 s, then 67 s a step: graphs recorded and compiled again, for a reason not found. It is not the
+mask function being a new closure each micro-batch: a compiled FlexAttention call does not recompile
+for that (tests/model/test_document_attention.py). "varlen" is not measured yet.
 """
 
 from __future__ import annotations
@@ -40,21 +39,17 @@ from k3train.model.documents import Documents
 DOCUMENT_ATTENTION = "sdpa"  # "sdpa" | "flex" | "varlen": packed rows on CUDA
 WAYS = ("sdpa", "flex", "varlen")
 _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiled at its first call
-_DOCUMENT_IDS: list[torch.Tensor] = []  # the document ids [B, T] of the latest block mask
-
-
-def _causal_same_document(b, h, q_idx, kv_idx):
-    doc_ids = _DOCUMENT_IDS[0]
-    return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
 
 def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     """The causal-and-same-document mask of rows ``doc_ids`` [B, T] (int64, one id per document) as a
-    FlexAttention block mask [B, 1 (all heads), T, T]; its mask function reads these ids until the
-    next call."""
+    FlexAttention block mask [B, 1 (all heads), T, T]; built by a compiled function on CUDA."""
     B, T = doc_ids.shape
-    _DOCUMENT_IDS[:] = [doc_ids]
-    return create_block_mask(_causal_same_document, B, None, T, T, device=doc_ids.device, _compile=True)
+
+    def causal_same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return create_block_mask(causal_same_document, B, None, T, T, device=doc_ids.device, _compile=doc_ids.is_cuda)
 
 
 def allowed(doc_ids: torch.Tensor, key_doc_ids: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
