@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Iterator, Optional
 
