@@ -4,8 +4,9 @@
     python benchmarks/train_step.py --model k3_tiny --batch 1 --seq 256 --steps 2 --warmup 1   # CPU smoke run
 
 One step = forward + backward of one micro-batch (one document per row, or with ``--mean-doc`` rows
-packed with documents as the trainer's data packs them: MLA's document mask, KDA's varlen path) under
-bf16 autocast + the optimizer + Quantile Balancing (the trainer's per-step bias update). ``--optim`` picks the optimizer by its conf/optim/*.yaml
+packed with documents as the trainer's data packs them: MLA's document mask, picked by
+``--document-attention``, and KDA's varlen path) under bf16 autocast + the optimizer + Quantile Balancing
+(the trainer's per-step bias update). ``--optim`` picks the optimizer by its conf/optim/*.yaml
 (default: the trainer's, conf/config.yaml), built with ``k3train.optim.builder.build_optimizer`` as the
 trainer builds it; with Muon's ``qk_clip_tau`` the optimizer phase includes QK-clip, as in the trainer.
 The trainer's gradient norm, clipping, step guard and LR schedule are not part of the step.
@@ -64,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.config.schema import COMPILE_MODES, RECOMPUTE_POLICIES, ModelConfig, OptimConfig, ParallelConfig
+from k3train.model import document_attention
 from k3train.model.k3 import K3Model
 from k3train.model.kda import KimiDeltaAttention
 from k3train.optim.builder import build_optimizer
@@ -189,9 +191,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--mean-doc", type=float, default=None,
                     help="pack each row with documents of exponentially distributed length of this mean (tokens), "
                          "as the trainer's data does (default: one document per row)")
+    ap.add_argument("--document-attention", choices=document_attention.WAYS, default=None,
+                    help="MLA's attention over packed rows, with --mean-doc (k3train/model/document_attention.py; "
+                         "default: the model's, DOCUMENT_ATTENTION)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile two steps (kernels by kind and time), of the last variant timed")
     args = ap.parse_args(argv)
+    model_default = document_attention.DOCUMENT_ATTENTION
+    args.document_attention = args.document_attention or model_default
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     groups, owned = None, False
@@ -203,9 +210,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         groups = init_parallel(ParallelConfig(), device)
     quiet = groups is not None and groups.rank > 0  # rank 0 prints and writes the JSON
     try:
+        document_attention.DOCUMENT_ATTENTION = args.document_attention
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
             return run(args, device, groups)
     finally:
+        document_attention.DOCUMENT_ATTENTION = model_default
         if owned:
             destroy_parallel()
 
@@ -342,7 +351,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12  # per GPU
         dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
         row = {"model": args.model, "kda": kda, "optim": args.optim, "compile": compiled, "batch": args.batch,
-               "seq": args.seq, "mean_doc": args.mean_doc, "dtype": dtype, "recompute": args.recompute,
+               "seq": args.seq, "mean_doc": args.mean_doc, "document_attention": args.document_attention,
+               "dtype": dtype, "recompute": args.recompute,
                "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
                "step_ms_median": per_step[len(per_step) // 2], "step_ms_min": per_step[0],
                "world_size": world, "tokens_per_s": world * tok / dt, "model_tflops": tflops,
