@@ -230,12 +230,14 @@ class Trainer:
 
     # --- one step --------------------------------------------------------------------------
     def _forward(self, batch: dict) -> torch.Tensor:
-        b = batch_to_device(batch, self.device)
         docs = self.model.host_documents(batch["position_ids"], self.device)  # no read-back to count them
+        if docs is not None:  # the documents carry the position ids to the device
+            batch = {k: v for k, v in batch.items() if k != "position_ids"}
+        b = batch_to_device(batch, self.device)
         if self.cfg.train.compile:
             begin_forward(self.cfg.train.compile_mode)
         with _autocast(self.device, self.compute_dtype):
-            return self.model(b["tokens"], b["position_ids"], b["labels"], b["loss_mask"], documents=docs)
+            return self.model(b["tokens"], b.get("position_ids"), b["labels"], b["loss_mask"], documents=docs)
 
     def train_step(self) -> dict:
         self.model.train()
