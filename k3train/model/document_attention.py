@@ -2,7 +2,7 @@
 
 q [B, H, Tq, Dqk], k [B, H, Tk, Dqk], v [B, H, Tk, Dv] → o [B, H, Tq, Dv], where M lets query i see key
 j only if j ≤ i (by position in the whole row) and both lie in one document. ``attend`` picks one of
-four ways from the micro-batch's ``Documents``:
+three ways from the micro-batch's ``Documents``:
 
 - one document per row: ``scaled_dot_product_attention(is_causal=True)`` (cuDNN or flash attention on
   Hopper);
@@ -11,9 +11,6 @@ four ways from the micro-batch's ``Documents``:
   allowed pair falls in are skipped. Inductor generates the kernels: inlined into a compiled layer's
   graph (``train.compile``), or through the standalone compiled ``flex_attention`` when the layer is
   eager;
-- ``"varlen"`` (packed rows on CUDA): each document as its own causal sequence, cuDNN's ragged kernels
-  (``aten._cudnn_attention_forward`` with ``cu_seqlens``, the op torch's nested-tensor SDPA calls; its
-  autograd formula gives the backward): work in Σ len², no mask tensor;
 - otherwise (``"sdpa"``, CPU, where FlexAttention has no backward, and context-parallel shards): SDPA
   with the dense bool mask [B, 1, Tq, Tk] (``allowed``), which costs a full T² row.
 
@@ -23,7 +20,9 @@ against the dense mask's 2.72 ms (causal SDPA on one document per row: 0.79 ms),
 uncompiled took 5.8 ms (now built compiled on CUDA). But the trainer's compiled bench-1B run with it
 took 1.5 s, then 67 s a step: graphs recorded and compiled again, for a reason not found. It is not the
 mask function being a new closure each micro-batch: a compiled FlexAttention call does not recompile
-for that (tests/model/test_document_attention.py). "varlen" is not measured yet.
+for that (tests/model/test_document_attention.py). cuDNN's ragged kernels
+(``aten._cudnn_attention_forward`` with ``cu_seqlens``, torch 2.11) were tried and dropped: 55 ms
+forward at these shapes and a wrong dq in the backward (docs/operating.md).
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from k3train.model.documents import Documents
 
-DOCUMENT_ATTENTION = "sdpa"  # "sdpa" | "flex" | "varlen": packed rows on CUDA
-WAYS = ("sdpa", "flex", "varlen")
+DOCUMENT_ATTENTION = "sdpa"  # "sdpa" | "flex": packed rows on CUDA
+WAYS = ("sdpa", "flex")
 _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiled at its first call
 
 
@@ -59,22 +58,6 @@ def allowed(doc_ids: torch.Tensor, key_doc_ids: torch.Tensor, query_pos: torch.T
     return (key_pos[None, :] <= query_pos[:, None]) & (doc_ids[:, :, None] == key_doc_ids[:, None, :])
 
 
-def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """Causal attention within each document of the flattened rows: q, k [B, H, T, Dqk], v [B, H, T, Dv],
-    ``cu_seqlens`` [N+1] int32 offsets over the B·T tokens (empty documents at the end allowed) → o
-    [B, H, T, Dv]. No document is longer than a row, so T bounds every length."""
-    B, H, T, _ = q.shape
-
-    def tokens_heads(x):  # [B, H, T, D] → [B·T, H, D] (a view when x came from [B, T, H, D])
-        return x.transpose(1, 2).reshape(B * T, H, x.shape[-1])
-
-    o = torch.ops.aten._cudnn_attention_forward(
-        tokens_heads(q), tokens_heads(k), tokens_heads(v), None, cu_seqlens, cu_seqlens, T, T,
-        q.requires_grad or k.requires_grad or v.requires_grad, 0.0, True, False, scale=scale)[0]
-    return o.view(B, T, H, v.shape[-1]).transpose(1, 2)
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: Documents,
            dense_mask: Callable[[], torch.Tensor]) -> torch.Tensor:
     """o [B, H, Tq, Dv] in v's dtype, the way the module docstring gives; ``dense_mask()`` builds the
@@ -84,6 +67,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs
     if docs.block_mask is not None:
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex
         return flex(q, k, v, block_mask=docs.block_mask, scale=scale)
-    if DOCUMENT_ATTENTION == "varlen" and q.is_cuda and docs.shard is None:
-        return varlen_causal(q, k, v, docs.cu_seqlens, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(), scale=scale)

@@ -13,7 +13,8 @@ backward finishes them.
 - fp32 parameters (their own main weights): autograd adds each backward's gradient into ``p.grad``,
   which is the view, in place, so ``zero`` clears the buffers;
 - bf16 parameters: a post-accumulate-grad hook copies ``p.grad`` (bf16) into ``main(p).grad`` the first
-  time in the step and adds it after that, then frees it; ``zero`` only marks every main gradient
+  time in the step and adds it after that (``kernels.grad_accumulate``: a vectorized cast on CUDA), then
+  frees it; ``zero`` only marks every main gradient
   stale, and ``reduce`` zeroes those that got no gradient all step (one micro-batch: one fp32 write
   per parameter instead of a zero fill plus a read-modify-write);
 
@@ -49,6 +50,7 @@ from torch import nn
 from k3train.model.roles import get_role
 from k3train.parallel.state import ParallelGroups
 from k3train.precision.main_params import main_param
+from kernels.grad_accumulate import accumulate
 
 GradKind = tuple[bool, bool]  # (expert-parallel, TP-sharded)
 
@@ -145,11 +147,8 @@ class GradBuffers:
         """After autograd has accumulated ``p.grad`` in one backward."""
         main = main_param(p)
         if main is not p:
-            if id(p) in self._stale:
-                main.grad.copy_(p.grad)
-                self._stale.discard(id(p))
-            else:
-                main.grad.add_(p.grad)
+            accumulate(main.grad, p.grad, first=id(p) in self._stale)
+            self._stale.discard(id(p))
             p.grad = None
         elif p.grad.data_ptr() != self._view_ptr[id(p)]:
             raise RuntimeError(f"the gradient of a parameter of shape {tuple(p.shape)} left its gradient buffer "

@@ -79,13 +79,13 @@ def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_p
     out = tmp_path / "ts.json"
     train_step.main(["--model", "k3_tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "1",
                      "--kda", "ours", "--optim", optim, "--json", str(out)]
-                    + (["--mean-doc", "8", "--document-attention", "varlen"] if packed else []))
+                    + (["--mean-doc", "8", "--document-attention", "flex"] if packed else []))
     res = json.loads(out.read_text())
     assert res["ours_over_fla"] is None
     (row,) = res["rows"]
     assert row["kda"] == "ours" and row["optim"] == optim and row["gpu"] == "cpu" and row["mfu_datasheet"] is None
     assert row["mean_doc"] == (8 if packed else None)
-    assert row["document_attention"] == ("varlen" if packed else "sdpa")  # varlen: SDPA's mask on CPU
+    assert row["document_attention"] == ("flex" if packed else "sdpa")  # flex: SDPA's mask on CPU
     assert document_attention.DOCUMENT_ATTENTION == "sdpa"  # the model's default, restored
     assert row["step_ms"] > 0 and set(row["phase_ms"]) == {"forward", "backward", "comm", "optimizer", "qb"}
     assert torch.isfinite(torch.tensor([row["first_loss"], row["loss"]])).all()

@@ -170,9 +170,9 @@ def test_triton_ties_pick_the_lowest_expert_and_empty():
 
 
 @triton_cpu
-def test_triton_compiled_matches_eager():
-    """Under torch.compile route(..., backend="triton") is the torch reference (one graph, no break),
-    with the eager Triton op's outputs and gradient."""
+def test_triton_compiled_is_the_custom_op_and_equals_eager():
+    """Under torch.compile route(..., backend="triton") is the ``k3::route`` custom op (one graph, no break):
+    the same kernels, so the same outputs and gradient bit for bit."""
     z, b, dw = _inputs(19, 96, 16, 40)
 
     def fn(zz):
@@ -184,12 +184,28 @@ def test_triton_compiled_matches_eager():
     assert type(eager[0].grad_fn).__name__.startswith("_Route")
     torch._dynamo.reset()
     zc = z.to(DEV).requires_grad_()
+    gm = []
+
+    def backend(graph, example_inputs):
+        gm.append(graph)
+        return graph
+
+    torch.compile(fn, backend=backend, fullgraph=True)(zc)
+    assert "k3.route" in str(gm[0].graph)
+    torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(zc)
     compiled[0].backward(dw.to(DEV))
-    assert not type(compiled[0].grad_fn).__name__.startswith("_Route")
-    assert torch.equal(compiled[1], eager[1])
-    for got, want in zip((compiled[0], compiled[2], compiled[3], zc.grad), (eager[0], eager[2], eager[3], zg.grad)):
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+    for got, want in zip((*compiled, zc.grad), (*eager, zg.grad)):
+        assert torch.equal(got, want)
+
+
+@triton_cpu
+def test_triton_route_custom_ops_pass_opcheck():
+    z, b, dw = _inputs(11, 40, 5, 41)
+    z, b, dw = z.to(DEV), b.to(DEV), dw.to(DEV)
+    torch.library.opcheck(torch.ops.k3.route, (z.requires_grad_(), b, 5, 1.5))
+    _, experts, scores, _ = route(z.detach(), b, 5, 1.5, backend="triton")
+    torch.library.opcheck(torch.ops.k3.route_backward, (dw, experts, scores, 1.5))
 
 
 def test_triton_cpu_subprocess():

@@ -26,8 +26,8 @@ def _dense(docs: Documents) -> torch.Tensor:
 
 
 def test_each_way_equals_sdpa_with_the_dense_mask(monkeypatch):
-    """Causal SDPA for one document a row, the block mask, and "varlen" (SDPA on CPU) all give what the
-    dense mask gives."""
+    """Causal SDPA for one document a row, the block mask, and every ``DOCUMENT_ATTENTION`` (SDPA with the
+    mask on CPU) give what the dense mask gives."""
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(B, H, T, DQK, generator=g) for _ in range(2))
     v = torch.randn(B, H, T, DV, generator=g)
