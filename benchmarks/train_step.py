@@ -3,9 +3,10 @@
     python benchmarks/train_step.py --model k3_bench_1b --batch 2 --seq 4096 --steps 10
     python benchmarks/train_step.py --model k3_tiny --batch 1 --seq 256 --steps 2 --warmup 1   # CPU smoke run
 
-One step = forward + backward of one micro-batch (one document per row, or with ``--mean-doc`` rows
-packed with documents as the trainer's data packs them: MLA's document mask, picked by
-``--document-attention``, and KDA's varlen path) under bf16 autocast + the optimizer + Quantile Balancing
+One step = forward + backward of ``--accum`` micro-batches (default 1; the same rows each time) under
+bf16 autocast, each row one document, or with ``--mean-doc`` packed with documents as the trainer's data
+packs them (MLA's document mask, picked by ``--document-attention``, and KDA's varlen path), + the
+optimizer + Quantile Balancing
 (the trainer's per-step bias update). ``--optim`` picks the optimizer by its conf/optim/*.yaml
 (default: the trainer's, conf/config.yaml), built with ``k3train.optim.builder.build_optimizer`` as the
 trainer builds it; with Muon's ``qk_clip_tau`` the optimizer phase includes QK-clip, as in the trainer.
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--model", default="k3_bench_1b")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches of --batch rows per step (gradient accumulation, as the trainer's "
+                         "global_batch_size / micro_batch_size): one optimizer step per --accum backwards")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="train_step.json")
@@ -197,6 +201,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--profile", action="store_true",
                     help="also profile two steps (kernels by kind and time), of the last variant timed")
     args = ap.parse_args(argv)
+    if args.accum < 1:
+        ap.error(f"--accum {args.accum}: at least one micro-batch a step")
     model_default = document_attention.DOCUMENT_ATTENTION
     args.document_attention = args.document_attention or model_default
 
@@ -236,7 +242,7 @@ def run(args, device: torch.device, groups: ParallelGroups | None) -> list[dict]
     x, y = tokens[:, :-1], tokens[:, 1:]
     pos = None if args.mean_doc is None else packed_position_ids(args.batch, args.seq, args.mean_doc)  # on the host
 
-    print(f"{'model':>12} {'B×T':>10} {'kda':>6} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
+    print(f"{'model':>12} {'n×B×T':>12} {'kda':>6} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
     rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, x, y, pos, device, groups)]
     by = {r["kda"]: r for r in rows if not r["compile"]}
@@ -285,31 +291,37 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         return time.perf_counter()
 
     def step() -> torch.Tensor:
-        t = [tick()]
+        """One optimizer step over ``args.accum`` micro-batches; ``ticks`` gets [(phase, event)], a phase's
+        time being from the previous event to its own (forward and backward once per micro-batch)."""
+        t = [("", tick())]
         grads.zero()
-        if compiled_mode:
-            begin_forward(compiled_mode)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            # as the trainer: the documents counted on the host batch, then moved (no read-back)
-            docs = None if pos is None else model.host_documents(pos, device)
-            loss = model(x, labels=y, documents=docs)
-        t.append(tick())
-        grads.last_backward()  # data parallel: each bucket's all-reduce starts once its gradients are in
-        loss.backward()
-        t.append(tick())
+        total = 0.0
+        for i in range(args.accum):
+            if compiled_mode:
+                begin_forward(compiled_mode)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                # as the trainer: the documents counted on the host batch, then moved (no read-back)
+                docs = None if pos is None else model.host_documents(pos, device)
+                loss = model(x, labels=y, documents=docs)
+            t.append(("forward", tick()))
+            if i == args.accum - 1:
+                grads.last_backward()  # data parallel: each bucket's all-reduce starts once its gradients are in
+            (loss / args.accum).backward()
+            total = total + loss.detach() / args.accum
+            t.append(("backward", tick()))
         grads.reduce()  # the all-reduces' tail, the division
-        t.append(tick())
+        t.append(("comm", tick()))
         opt.step()
         if ocfg.qk_clip_tau:
             apply_qk_clip(model, ocfg.qk_clip_tau)
         main.sync_model()
-        t.append(tick())
+        t.append(("optimizer", tick()))
         for layer in moe:
             layer.update_bias(groups.dp_cp if groups else None)
             layer.load.reset()
-        t.append(tick())
+        t.append(("qb", tick()))
         ticks.append(t)
-        return loss.detach()
+        return total
 
     def elapsed_ms(a, b) -> float:
         return a.elapsed_time(b) if cuda else (b - a) * 1e3
@@ -335,8 +347,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         if cuda:
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / args.steps
-        phase_ms = {name: sum(elapsed_ms(t[i], t[i + 1]) for t in ticks) / len(ticks)
-                    for i, name in enumerate(PHASES)}
+        phase_ms = {name: sum(elapsed_ms(a, b) for t in ticks for (_, a), (phase, b) in zip(t, t[1:])
+                              if phase == name) / len(ticks) for name in PHASES}
         world = groups.world_size if groups is not None else 1
         if world > 1:  # the slowest rank sets the pace: the largest mean step and phase times over the ranks
             slowest = torch.tensor([dt, *phase_ms.values()], dtype=torch.float64, device=device)
@@ -346,12 +358,13 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         qb_ms = phase_ms["qb"]
         # The eager step is host-bound, and the host's speed drifts within a lease: the median step
         # (first to last event) is steadier than the mean for A/B comparisons across processes.
-        per_step = sorted(elapsed_ms(t[0], t[-1]) for t in ticks)
-        tok = args.batch * args.seq  # per rank
+        per_step = sorted(elapsed_ms(t[0][1], t[-1][1]) for t in ticks)
+        tok = args.accum * args.batch * args.seq  # per rank
         tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12  # per GPU
         dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
         row = {"model": args.model, "kda": kda, "optim": args.optim, "compile": compiled, "batch": args.batch,
-               "seq": args.seq, "mean_doc": args.mean_doc, "document_attention": args.document_attention,
+               "accum": args.accum, "seq": args.seq, "mean_doc": args.mean_doc,
+               "document_attention": args.document_attention,
                "dtype": dtype, "recompute": args.recompute,
                "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
                "step_ms_median": per_step[len(per_step) // 2], "step_ms_min": per_step[0],
@@ -362,7 +375,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
                "first_loss": float(first), "loss": float(loss), "first_step_s": first_step_s,
                "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
         name = f"{kda}+c" if compiled else kda
-        print(f"{args.model:>12} {args.batch}×{args.seq:<7} {name:>6} {args.optim:>5} {args.recompute:>9} "
+        print(f"{args.model:>12} {args.accum}×{args.batch}×{args.seq:<7} {name:>6} {args.optim:>5} {args.recompute:>9} "
               f"{row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {tflops:>8.1f} "
               f"{_fmt(row['mfu_datasheet'], '.1%', 9)} {_fmt(row['mfu_measured_gemm'], '.1%', 9)} "
               f"{_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")

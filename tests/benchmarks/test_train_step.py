@@ -78,13 +78,13 @@ def test_fla_adapter_refuses_what_it_cannot_pass():
 def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_path, capsys):
     out = tmp_path / "ts.json"
     train_step.main(["--model", "k3_tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "1",
-                     "--kda", "ours", "--optim", optim, "--json", str(out)]
+                     "--kda", "ours", "--optim", optim, "--json", str(out), "--accum", "2" if packed else "1"]
                     + (["--mean-doc", "8", "--document-attention", "flex"] if packed else []))
     res = json.loads(out.read_text())
     assert res["ours_over_fla"] is None
     (row,) = res["rows"]
     assert row["kda"] == "ours" and row["optim"] == optim and row["gpu"] == "cpu" and row["mfu_datasheet"] is None
-    assert row["mean_doc"] == (8 if packed else None)
+    assert row["mean_doc"] == (8 if packed else None) and row["accum"] == (2 if packed else 1)
     assert row["document_attention"] == ("flex" if packed else "sdpa")  # flex: SDPA's mask on CPU
     assert document_attention.DOCUMENT_ATTENTION == "sdpa"  # the model's default, restored
     assert row["step_ms"] > 0 and set(row["phase_ms"]) == {"forward", "backward", "comm", "optimizer", "qb"}
