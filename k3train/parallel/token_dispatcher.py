@@ -31,11 +31,21 @@ from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_sl
 from kernels.moe_permute import combine_rows, dispatch_rows
 
 
-def stable_order(keys: torch.Tensor, bound: int) -> torch.Tensor:
-    """The stable sorting order of integer ``keys`` [M] with values in [0, bound), sorted in the narrowest
-    integer type that holds them: the GPU's radix sort makes one pass per key byte (8 for int64)."""
+def stable_sort(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted keys, stable sorting order [M] int64) of integer ``keys`` [M] with values in [0, bound), sorted
+    in the narrowest integer type that holds them (the sorted keys come back in it): the GPU's radix sort
+    makes one pass per key byte (8 for int64)."""
     dtype = torch.uint8 if bound <= 256 else torch.int16 if bound <= 2**15 else torch.int32
-    return keys.to(dtype).argsort(stable=True)
+    return keys.to(dtype).sort(stable=True)
+
+
+def counts_of_sorted(sorted_keys: torch.Tensor, bound: int) -> torch.Tensor:
+    """[bound] int64: how often each value in [0, bound) occurs in ``sorted_keys`` (ascending), from a binary
+    search per value. A ``scatter_add_`` of ones into ``bound`` bins does the same with one atomic per key,
+    thousands on each bin: ~0.16 ms at bench-1B's 262k keys into 128 bins on an H200."""
+    values = torch.arange(bound, device=sorted_keys.device, dtype=sorted_keys.dtype)
+    ends = torch.searchsorted(sorted_keys, values, right=True)
+    return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -66,11 +76,9 @@ class LocalTokenDispatcher:
     def dispatch(self, z: torch.Tensor, experts: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """z [N, ℓ], experts [N, k] → grouped rows [N·k, ℓ], tokens per expert [E], handle."""
-        flat = experts.flatten()
-        order = stable_order(flat, self.num_experts)
+        sorted_experts, order = stable_sort(experts.flatten(), self.num_experts)
         inverse = inverse_permutation(order)
-        # tokens per expert [E]: a bincount whose length does not depend on the ids (traceable by torch.compile)
-        tokens_per_expert = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        tokens_per_expert = counts_of_sorted(sorted_experts, self.num_experts)  # [E], no host read
         k = experts.shape[1]
         handle = DispatchHandle(order, inverse, k, tokens_per_expert)
         return dispatch_rows(z, order, inverse, k), tokens_per_expert, handle
@@ -187,7 +195,7 @@ class ExpertParallelDispatcher:
         index = first_copy[expert] + torch.arange(n_copies, device=dev)
         dest = torch.searchsorted(alloc.to(dev).cumsum(1)[expert], index[:, None], right=True).squeeze(1)
         key = dest * self.groups_per_rank + self._group_of(expert, dest, slots.to(dev))
-        return stable_order(key, self.size * self.groups_per_rank)
+        return stable_sort(key, self.size * self.groups_per_rank)[1]
 
     def _receive_order(self, alloc, slots, overlap, dev) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Rows received from each source arrive in that source's group order; → the order [M]
