@@ -1,6 +1,6 @@
 """MLA's attention core over packed documents, each way of ``k3train.model.document_attention``: SDPA with
-the dense mask and FlexAttention with the document block mask, and causal SDPA on one document per row
-as the reference point.
+the dense mask, FlexAttention with the document block mask, flash attention's variable-length kernels,
+and causal SDPA on one document per row as the reference point.
 
     python benchmarks/mla_attention.py [--batch 2] [--seq 4096] [--heads 8] [--mean-doc 1024] [--json out.json]
 
@@ -59,7 +59,8 @@ def main() -> None:
         pairs = int(mask.sum()) * H
         packed = dataclasses.replace(docs, one_per_row=False)  # the packed-row ways, also for one document a row
         ways = {"sdpa mask": ("sdpa", packed),
-                "flex": ("flex", dataclasses.replace(packed, block_mask=document_block_mask(docs.doc_ids)))}
+                "flex": ("flex", dataclasses.replace(packed, block_mask=document_block_mask(docs.doc_ids))),
+                "flash": ("flash", packed)}
         if layout == "one per row":
             ways = {"sdpa causal": ("sdpa", docs), **ways}
 

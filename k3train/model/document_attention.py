@@ -2,7 +2,7 @@
 
 q [B, H, Tq, Dqk], k [B, H, Tk, Dqk], v [B, H, Tk, Dv] → o [B, H, Tq, Dv], where M lets query i see key
 j only if j ≤ i (by position in the whole row) and both lie in one document. ``attend`` picks one of
-three ways from the micro-batch's ``Documents``:
+four ways from the micro-batch's ``Documents``:
 
 - one document per row: ``scaled_dot_product_attention(is_causal=True)`` (cuDNN or flash attention on
   Hopper);
@@ -11,6 +11,10 @@ three ways from the micro-batch's ``Documents``:
   allowed pair falls in are skipped. Inductor generates the kernels: inlined into a compiled layer's
   graph (``train.compile``), or through the standalone compiled ``flex_attention`` when the layer is
   eager;
+- ``"flash"`` (packed rows on CUDA): each document as its own causal sequence through flash attention's
+  variable-length kernels (``aten._flash_attention_forward`` with ``cu_seqlens``; its autograd formula
+  gives the backward): work in Σ len², no mask. Flash attention takes one head dim for q, k and v, so v
+  is zero-padded from Dv to Dqk and the output cut back;
 - otherwise (``"sdpa"``, CPU, where FlexAttention has no backward, and context-parallel shards): SDPA
   with the dense bool mask [B, 1, Tq, Tk] (``allowed``), which costs a full T² row.
 
@@ -35,8 +39,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from k3train.model.documents import Documents
 
-DOCUMENT_ATTENTION = "sdpa"  # "sdpa" | "flex": packed rows on CUDA
-WAYS = ("sdpa", "flex")
+DOCUMENT_ATTENTION = "sdpa"  # "sdpa" | "flex" | "flash": packed rows on CUDA
+WAYS = ("sdpa", "flex", "flash")
 _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiled at its first call
 
 
@@ -58,6 +62,24 @@ def allowed(doc_ids: torch.Tensor, key_doc_ids: torch.Tensor, query_pos: torch.T
     return (key_pos[None, :] <= query_pos[:, None]) & (doc_ids[:, :, None] == key_doc_ids[:, None, :])
 
 
+def flash_varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Causal attention within each document of the flattened rows: q, k [B, H, T, Dqk], v [B, H, T, Dv]
+    (Dv ≤ Dqk), ``cu_seqlens`` [N+1] int32 offsets over the B·T tokens (empty documents at the end
+    allowed) → o [B, H, T, Dv]. No document is longer than a row, so T bounds every length."""
+    B, H, T, d_qk = q.shape
+    d_v = v.shape[-1]
+
+    def tokens_heads(x):  # [B, H, T, D] → [B·T, H, D] (a view when x came from [B, T, H, D])
+        return x.transpose(1, 2).reshape(B * T, H, x.shape[-1])
+
+    v_padded = F.pad(v, (0, d_qk - d_v))
+    cu = cu_seqlens.to(torch.int32)
+    o = torch.ops.aten._flash_attention_forward(tokens_heads(q), tokens_heads(k), tokens_heads(v_padded), cu, cu,
+                                                T, T, 0.0, True, False, scale=scale)[0]
+    return o[..., :d_v].view(B, T, H, d_v).transpose(1, 2)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: Documents,
            dense_mask: Callable[[], torch.Tensor]) -> torch.Tensor:
     """o [B, H, Tq, Dv] in v's dtype, the way the module docstring gives; ``dense_mask()`` builds the
@@ -67,4 +89,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs
     if docs.block_mask is not None:
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex
         return flex(q, k, v, block_mask=docs.block_mask, scale=scale)
+    if DOCUMENT_ATTENTION == "flash" and q.is_cuda and docs.shard is None:
+        return flash_varlen_causal(q, k, v, docs.cu_seqlens, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(), scale=scale)

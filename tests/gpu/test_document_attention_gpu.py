@@ -1,11 +1,13 @@
 """MLA's attention over packed documents on CUDA (run with ``pytest -m gpu``): FlexAttention with the
-document block mask against SDPA with the dense mask, each against an fp32 reference.
+document block mask and flash attention's variable-length kernels ("flash") against SDPA with the dense
+mask, each against an fp32 reference.
 
 bench-1B's MLA shapes: [2, 8 heads, 4096] tokens, qk 192, v 128, bf16; rows packed with documents of
 random lengths (one crossing nothing, several short ones, one row a single document). The output and
 q/k/v gradients of each bf16 way are compared with fp32 SDPA on the same inputs: their relative error
-must stay within 2x SDPA's bf16 error plus 1e-3. Then a bench-1B-shaped K3 model (2 layers, one of
-them MLA) gives the same loss and gradients through FlexAttention as through the dense mask; and a compiled function over
+must stay within 2x SDPA's bf16 error plus 1e-3; "flash" also with the offsets padded with empty
+documents (compiled layers pad them). Then a bench-1B-shaped K3 model (2 layers, one of them MLA) gives
+the same loss and gradients through each way as through the dense mask; and a compiled function over
 FlexAttention does not recompile for a new micro-batch's block mask.
 """
 
@@ -39,10 +41,12 @@ def _dense_mask(docs: Documents) -> torch.Tensor:
     return allowed(docs.doc_ids, docs.doc_ids, torch.arange(T, device="cuda")).unsqueeze(1)
 
 
-def test_flex_matches_dense_mask_within_bf16_noise(monkeypatch):
+@pytest.mark.parametrize("way, bucket", [("flex", False), ("flash", False), ("flash", True)])
+def test_way_matches_dense_mask_within_bf16_noise(way, bucket, monkeypatch):
     torch._dynamo.reset()
-    docs = Documents.from_position_ids(_position_ids())
-    docs = dataclasses.replace(docs, block_mask=document_block_mask(docs.doc_ids))
+    docs = Documents.from_position_ids(_position_ids(), bucket=bucket)
+    if way == "flex":
+        docs = dataclasses.replace(docs, block_mask=document_block_mask(docs.doc_ids))
     mask = _dense_mask(docs)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(B, T, H, DQK, device="cuda", generator=g) for _ in range(2))  # [B, T, H, D], as MLA
@@ -59,13 +63,14 @@ def test_flex_matches_dense_mask_within_bf16_noise(monkeypatch):
 
     want = run(torch.float32, "sdpa")
     dense = run(torch.bfloat16, "sdpa")
-    got = run(torch.bfloat16, "flex")
+    got = run(torch.bfloat16, way)
     for name, f, d, w in zip(("o", "dq", "dk", "dv"), got, dense, want):
         assert torch.isfinite(f).all(), name
         assert _rel(f, w) <= 2 * _rel(d, w) + 1e-3, (name, _rel(f, w), _rel(d, w))
 
 
-def test_model_through_flex_equals_dense_mask(monkeypatch):
+@pytest.mark.parametrize("way", ["flex", "flash"])
+def test_model_through_way_equals_dense_mask(way, monkeypatch):
     from k3train.config.schema import ModelConfig
     from k3train.model.k3 import K3Model
 
@@ -80,7 +85,7 @@ def test_model_through_flex_equals_dense_mask(monkeypatch):
     pos = _position_ids()
     tokens, labels = (torch.randint(0, cfg.vocab_size, (B, T), device="cuda") for _ in range(2))
     results = []
-    for m, chosen in ((model, "flex"), (dense_model, "sdpa")):
+    for m, chosen in ((model, way), (dense_model, "sdpa")):
         monkeypatch.setattr(document_attention, "DOCUMENT_ATTENTION", chosen)
         assert (m.documents(tokens, pos).block_mask is not None) == (chosen == "flex")
         with torch.autocast("cuda", dtype=torch.bfloat16):
