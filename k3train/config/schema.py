@@ -200,10 +200,9 @@ class TrainConfig:
     # GEMMs and kernels. Needs bf16 activations, data parallelism only (parallel.tensor = pipeline = context =
     # expert = 1), plain bf16 GEMMs and torch linears (precision.linear_backend=auto resolves to torch).
     compile: bool = False
-    # torch.compile's mode for train.compile: "default", or "reduce-overhead" (each layer graph also a CUDA
-    # graph: the step stops being host-bound; measured in benchmarks/train_step.py, not yet verified in the
-    # trainer, docs/operating.md).
-    compile_mode: str = "default"
+    # torch.compile's mode for train.compile: "reduce-overhead" (each layer graph also a CUDA graph: the step
+    # stops being host-bound; docs/operating.md) or "default" (no CUDA graphs: less memory held in their pool).
+    compile_mode: str = "reduce-overhead"
     # Activation recompute (docs/operating.md): "none", "attn_res" (the AttnRes sites), "kda" (those and the
     # KDA mixers) or "full" (whole decoder layers); each trades a second forward of those parts for memory.
     recompute: str = "none"

@@ -10,7 +10,7 @@ Under compilation the Triton kernels are ``torch.library`` custom ops with fake 
 (``kernels.backend.eager_or_compiled``; eager calls launch them directly), so they sit inside the
 graphs; nothing in a layer reads a tensor back to the host.
 
-``train.compile_mode`` is torch.compile's ``mode``: "default", or "reduce-overhead", which also
+``train.compile_mode`` is torch.compile's ``mode``: "reduce-overhead" (the default), which also
 captures each layer graph, forward and backward, as a CUDA graph (inductor's CUDA graph trees), so a
 layer's hundreds of launches replay as one and the step stops being host-bound. The graphs'
 activations live in a private memory pool and a replay reuses the previous replay's outputs: the
@@ -19,10 +19,10 @@ graph past its call. Measured on one H200 (bench-1B, 2x4096, AdamW, ``benchmarks
 --compile``): 79.9 ms a step against 130.5 ms eager in the same process. The trainer's first run
 with it stopped at the first evaluation on four tensors of the pool that no graph output accounts
 for: KDA's four chunk tables, which its custom op remembered (a CPU test now asserts that a compiled
-step keeps no tensor it allocates). With that and the padded document offsets below, the trainer's
-bench-1B run trained at 128–132 ms a step with Muon; it has not yet been seen through an evaluation
-under CUDA graphs (which now runs the layers eagerly: ``eager_layers``), so "default" stays the default
-(docs/operating.md).
+step keeps no tensor it allocates). With that, the padded document offsets below and evaluation run
+eagerly (``eager_layers``), the trainer's bench-1B run (8x4096 micro-batches, Muon) trained 60 steps
+through three evaluations at 345–382 ms a step (docs/operating.md). "default" compiles without CUDA
+graphs.
 
 The embedding and the output head stay eager. The number of packed documents changes from batch to
 batch: the model pads ``Documents.cu_seqlens`` with empty documents to the next power of two (at
