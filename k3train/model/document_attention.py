@@ -18,14 +18,15 @@ four ways from the micro-batch's ``Documents``:
 - otherwise (``"sdpa"``, CPU, where FlexAttention has no backward, and context-parallel shards): SDPA
   with the dense bool mask [B, 1, Tq, Tk] (``allowed``), which costs a full T² row.
 
-``DOCUMENT_ATTENTION`` selects the way for packed rows on CUDA; it is "sdpa". Measured at bench-1B
-shapes (one H200, ``benchmarks/mla_attention.py``, 2026-12-01): FlexAttention 1.49 ms forward+backward
-against the dense mask's 2.72 ms (causal SDPA on one document per row: 0.79 ms), and building its mask
-uncompiled took 5.8 ms (now built compiled on CUDA). But the trainer's compiled bench-1B run with it
-took 1.5 s, then 67 s a step: graphs recorded and compiled again, for a reason not found. It is not the
-mask function being a new closure each micro-batch: a compiled FlexAttention call does not recompile
-for that (tests/model/test_document_attention.py). cuDNN's ragged kernels
-(``aten._cudnn_attention_forward`` with ``cu_seqlens``, torch 2.11) were tried and dropped: 55 ms
+``DOCUMENT_ATTENTION`` selects the way for packed rows on CUDA; it is "flash". Measured end to end on one
+H200 (bench-1B, 8×4096 rows packed with documents of mean length 1024, compiled with CUDA graphs, AdamW,
+``benchmarks/train_step.py --mean-doc 1024``, 2026-12-01): 239.3 ms a step with "flash" against 269.4 ms
+with the dense mask ("sdpa"), and 237.7 ms with one document a row. FlexAttention: 1.49 ms
+forward+backward at 2×4096 against the dense mask's 2.72 ms (``benchmarks/mla_attention.py``), but the
+trainer's compiled bench-1B run with it took 1.5 s, then 67 s a step: graphs recorded and compiled again,
+for a reason not found (not the mask function being a new closure each micro-batch: a compiled
+FlexAttention call does not recompile for that, tests/model/test_document_attention.py). cuDNN's ragged
+kernels (``aten._cudnn_attention_forward`` with ``cu_seqlens``, torch 2.11) were tried and dropped: 55 ms
 forward at these shapes and a wrong dq in the backward (docs/operating.md).
 """
 
@@ -39,7 +40,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from k3train.model.documents import Documents
 
-DOCUMENT_ATTENTION = "sdpa"  # "sdpa" | "flex" | "flash": packed rows on CUDA
+DOCUMENT_ATTENTION = "flash"  # "flash" | "flex" | "sdpa": packed rows on CUDA
 WAYS = ("sdpa", "flex", "flash")
 _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiled at its first call
 

@@ -85,8 +85,8 @@ def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_p
     (row,) = res["rows"]
     assert row["kda"] == "ours" and row["optim"] == optim and row["gpu"] == "cpu" and row["mfu_datasheet"] is None
     assert row["mean_doc"] == (8 if packed else None) and row["accum"] == (2 if packed else 1)
-    assert row["document_attention"] == ("flex" if packed else "sdpa")  # flex: SDPA's mask on CPU
-    assert document_attention.DOCUMENT_ATTENTION == "sdpa"  # the model's default, restored
+    assert row["document_attention"] == ("flex" if packed else "flash")  # both: SDPA's mask on CPU
+    assert document_attention.DOCUMENT_ATTENTION == "flash"  # the model's default, restored
     assert row["step_ms"] > 0 and set(row["phase_ms"]) == {"forward", "backward", "comm", "optimizer", "qb"}
     assert torch.isfinite(torch.tensor([row["first_loss"], row["loss"]])).all()
     assert f" ours {optim:>5} " in capsys.readouterr().out
