@@ -17,8 +17,8 @@ expands it; NoPE means no position offsets to fix up, only the causal-and-same-d
 at the local tokens' global positions.
 
 ``max_logit`` [H] holds the running per-head maximum of the pre-softmax logits when
-``track_max_logit`` is set (QK-clip reads and resets it). It is computed block by block
-without keeping another score tensor for backward.
+``track_max_logit`` is set (QK-clip reads and resets it), from ``kernels.max_logit`` (on CUDA one
+Triton launch that keeps no score tensor), with no gradient.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from k3train.model.documents import Documents
 from k3train.model.norm import RMSNorm
 from k3train.model.replay import replaying
 from k3train.parallel.tensor_parallel import TPSpec
+from kernels.max_logit import max_logit
 
-_MAX_LOGIT_BLOCK = 256  # query rows per block when tracking the max logit
 
 
 class GatedMLA(nn.Module):
@@ -97,12 +97,11 @@ class GatedMLA(nn.Module):
 
     @torch.no_grad()
     def _update_max_logit(self, q: torch.Tensor, k: torch.Tensor, docs: Documents) -> None:
-        """max over allowed (query, key) pairs of q·k·scale per head, in blocks of query rows."""
-        T = q.shape[2]
-        best = torch.full((q.shape[1],), float("-inf"), device=q.device)
-        for s in range(0, T, _MAX_LOGIT_BLOCK):
-            e = min(s + _MAX_LOGIT_BLOCK, T)
-            logits = torch.einsum("bhqd,bhkd->bhqk", q[:, :, s:e].float(), k.float()) * self.scale
-            logits = logits.masked_fill(~self._allowed(docs, s, e).unsqueeze(1), float("-inf"))
-            best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))
+        """max over allowed (query, key) pairs of q·k·scale per head (``kernels.max_logit``)."""
+        if docs.shard is None:
+            q_doc = k_doc = docs.doc_ids
+            q_pos = torch.arange(q.shape[2], device=q.device)
+        else:
+            q_doc, k_doc, q_pos = docs.doc_ids, docs.key_doc_ids, docs.query_index
+        best = max_logit(q, k, q_doc, k_doc, q_pos, self.scale)
         self.max_logit.copy_(torch.maximum(self.max_logit.to(best.device), best))

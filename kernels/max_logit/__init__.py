@@ -1,0 +1,66 @@
+"""The per-head maximum attention logit over the allowed (query, key) pairs: what QK-clip reads from
+every MLA layer each training step (math in ``reference.py``)::
+
+    m = max_logit(q, k, q_doc, k_doc, q_pos, scale)
+    # q [B, H, Tq, D], k [B, H, Tk, D], q_doc [B, Tq], k_doc [B, Tk], q_pos [Tq] → m [H] fp32
+
+Key j is allowed to query i of row b when j ≤ q_pos[i] and q_doc[b, i] = k_doc[b, j] (causal within a
+document; under context parallelism the queries are a shard of the row and q_pos their positions in it).
+No gradient. ``backend``:
+
+* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
+* ``"triton"``: ``triton_max_logit.py``: one launch; the logits never leave the program. Eagerly a
+  direct launch, under ``torch.compile`` the ``torch.library`` custom op ``k3::max_logit``
+  (``backend.eager_or_compiled``);
+* ``"torch"``: ``reference.max_logit``: an fp32 einsum of blocks of query rows against every key, then
+  the mask. On the GPU that is about 0.4 TFLOP a layer at bench-1B's 8×4096 tokens on fp32 SIMT
+  GEMMs, the bulk of the trainer's ~40 ms a step over ``benchmarks/train_step.py`` with AdamW (the
+  trainer's Muon recipe turns QK-clip on).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import eager_or_compiled, use_triton
+from . import reference
+
+__all__ = ["max_logit"]
+
+
+def _triton(q, k, q_doc, k_doc, q_pos, scale):
+    from .triton_max_logit import max_logit as triton_max_logit
+    return triton_max_logit(q, k, q_doc, k_doc, q_pos, scale)
+
+
+@torch.library.custom_op("k3::max_logit", mutates_args=())
+def _max_logit_op(q: torch.Tensor, k: torch.Tensor, q_doc: torch.Tensor, k_doc: torch.Tensor, q_pos: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    return _triton(q, k, q_doc, k_doc, q_pos, scale)
+
+
+@_max_logit_op.register_fake
+def _max_logit_op_fake(q, k, q_doc, k_doc, q_pos, scale):
+    return q.new_empty(q.shape[1], dtype=torch.float32)
+
+
+_max_logit = eager_or_compiled(_triton, _max_logit_op)
+
+
+@torch.no_grad()
+def max_logit(q: torch.Tensor, k: torch.Tensor, q_doc: torch.Tensor, k_doc: torch.Tensor, q_pos: torch.Tensor,
+              scale: float, backend: str = "auto") -> torch.Tensor:
+    """[H] fp32: max over allowed pairs of scale · q·k per head (module docstring); −inf where none is."""
+    B, H, Tq, D = q.shape
+    if k.dim() != 4 or k.shape[:2] != (B, H) or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} must be [B, H, Tk, D] = [{B}, {H}, Tk, {D}] for q {tuple(q.shape)}")
+    Tk = k.shape[2]
+    if q_doc.shape != (B, Tq) or k_doc.shape != (B, Tk) or q_pos.shape != (Tq,):
+        raise ValueError(f"q_doc {tuple(q_doc.shape)}, k_doc {tuple(k_doc.shape)}, q_pos {tuple(q_pos.shape)} must be "
+                         f"[{B}, {Tq}], [{B}, {Tk}], [{Tq}]")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    if use_triton(q, backend, "max_logit") and Tq > 0 and Tk > 0 and D % 16 == 0:
+        q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+        return _max_logit(q, k, q_doc.contiguous(), k_doc.contiguous(), q_pos.contiguous(), float(scale))
+    return reference.max_logit(q, k, q_doc, k_doc, q_pos, scale)
