@@ -5,7 +5,9 @@
 One process, one GPU, bench-1B shapes by default (2×4096 tokens, d = 1024, fp32 sources; S = 2 and
 5 are a site early and late in bench-1B's 13 layers). For each S and backend ("triton": the
 kernels; "torch": ``reference.attn_res_forward`` under autograd): forward and forward+backward
-time (median of ``triton.testing.do_bench``), the bytes an ideal pass moves (forward: S sources
+time (on CUDA the median of CUDA-graph replays, ``op_timing.graph_ms``: GPU time alone; the host's
+autograd and launch overhead, which ``do_bench`` adds, set the pace at 8192 tokens and hid the kernels'
+differences in the session-11 tile sweep; on CPU host time), the bytes an ideal pass moves (forward: S sources
 read, out written; backward: g and S sources read, S gradients written; fp32) as GB/s, and the
 memory autograd holds after the forward beyond the output and the inputs. Before timing, the kernel
 must match the reference (out and dv_0 within 1e-5 of their largest magnitude).
@@ -25,7 +27,13 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from kernels.attn_res import attn_res_aggregate, triton_attn_res  # noqa: E402
-from op_timing import held_mib, median_ms  # noqa: E402
+from op_timing import graph_ms, held_mib, median_ms  # noqa: E402
+
+
+def gpu_time_ms(fn, device: str, warmup: int, rep: int) -> float:
+    """Median ms of ``fn``: its CUDA-graph replays on CUDA (``median_ms`` if it cannot be captured), host time on CPU."""
+    ms = graph_ms(fn, rep) if device == "cuda" else None
+    return median_ms(fn, device, warmup, rep) if ms is None else ms
 
 
 def measure(S: int, tokens: int, d: int, backend: str, device: str, warmup: int, rep: int) -> dict:
@@ -44,8 +52,8 @@ def measure(S: int, tokens: int, d: int, backend: str, device: str, warmup: int,
 
     held = held_mib(fwd, device)
     with torch.no_grad():
-        t_fwd = median_ms(fwd, device, warmup, rep)
-    t_fb = median_ms(fwd_bwd, device, warmup, rep)
+        t_fwd = gpu_time_ms(fwd, device, warmup, rep)
+    t_fb = gpu_time_ms(fwd_bwd, device, warmup, rep)
     fwd_bytes, bwd_bytes = (S + 1) * tokens * d * 4, (2 * S + 1) * tokens * d * 4
     return {"S": S, "backend": backend, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
             "fwd_GBps": fwd_bytes / t_fwd / 1e6, "fwd_bwd_GBps": (fwd_bytes + bwd_bytes) / t_fb / 1e6,

@@ -3,9 +3,10 @@
     python benchmarks/moe_components.py --json moe_components.json
 
 Pieces at bench-1B MoE dims by default (E=128, k=8, ℓ=512, I=256, 16384 tokens, natural routing):
-the dispatch (argsort, bincount, row gather), argsort + bincount alone, the row gather and the
-weighted combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference), the W13
-and W2 grouped GEMMs and the fused SiTU-GLU; medians, ms. Each piece is captured in a CUDA graph and its
+the dispatch (sort, counts, row gather), the sort and counts alone, the row gather and the weighted
+combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference), the W13 and W2 grouped
+GEMMs and the fused SiTU-GLU; medians, ms. ``--permute-tiles 4096x4 16384x8 …`` also times the Triton
+gather and combine at each tile (elements of a program's [tokens, k, columns] tile × warps). Each piece is captured in a CUDA graph and its
 replays timed (``triton.testing.do_bench_cudagraph``), so the figure is GPU time without the host's
 autograd and launch overhead, which ``do_bench`` alone adds to pieces this small; a piece that cannot be
 captured (one that reads back to the host, e.g. ``torch.bincount``) is timed with ``do_bench`` and
@@ -26,8 +27,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 from k3train.config.schema import ModelConfig  # noqa: E402
 from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
-from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
-from kernels.moe_permute import combine_rows, dispatch_rows  # noqa: E402
+from k3train.parallel.token_dispatcher import LocalTokenDispatcher, counts_of_sorted, stable_sort  # noqa: E402
+from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # noqa: E402
 from kernels.situ import situ_glu_packed  # noqa: E402
 from op_timing import graph_ms, median_ms  # noqa: E402
 
@@ -47,6 +48,8 @@ def main() -> None:
     ap.add_argument("--latent", type=int, default=512)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--permute-tiles", nargs="*", default=[], metavar="ELEMSxWARPS",
+                    help="also time the Triton gather and combine at these tiles")
     ap.add_argument("--json", default="moe_components.json")
     args = ap.parse_args()
     E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
@@ -76,8 +79,7 @@ def main() -> None:
     flat = idx.flatten()
     times = {
         "dispatch": fwd_bwd(lambda: disp.dispatch(z, idx)[0], z),
-        "argsort+bincount": gpu_ms(lambda: (flat.argsort(stable=True), torch.bincount(flat, minlength=E)),
-                                   graph=False),  # bincount reads its maximum back to the host
+        "sort+counts": gpu_ms(lambda: counts_of_sorted(stable_sort(flat, E)[0], E)),
         "grouped GEMM W13": fwd_bwd(lambda: grouped_linear(rows, experts.w13, offsets), rows, experts.w13),
         "SiTU-GLU": fwd_bwd(lambda: situ_glu_packed(gate_up), gate_up),
         "grouped GEMM W2": fwd_bwd(lambda: grouped_linear(hidden, experts.w2, offsets), hidden, experts.w2),
@@ -87,9 +89,15 @@ def main() -> None:
             lambda: dispatch_rows(z, handle.order, handle.inverse, k, backend=backend), z)
         times[f"combine ({backend})"] = fwd_bwd(
             lambda: combine_rows(rows, w, handle.order, handle.inverse, backend=backend), rows, w)
+    default_tile = triton_permute.GPU_TILE_ELEMS, triton_permute.GPU_NUM_WARPS
+    for tile in args.permute_tiles:  # the kernels read the tile at each launch
+        triton_permute.GPU_TILE_ELEMS, triton_permute.GPU_NUM_WARPS = (int(v) for v in tile.split("x"))
+        times[f"dispatch rows {tile}"] = fwd_bwd(lambda: dispatch_rows(z, handle.order, handle.inverse, k), z)
+        times[f"combine {tile}"] = fwd_bwd(lambda: combine_rows(rows, w, handle.order, handle.inverse), rows, w)
+    triton_permute.GPU_TILE_ELEMS, triton_permute.GPU_NUM_WARPS = default_tile
     print(f"{torch.cuda.get_device_name()}, bf16, E={E} k={k} ℓ={ell} I={I} N={N}, fwd+bwd")
     for name, (ms, how) in times.items():
-        print(f"{name:>18} {ms:8.3f} ms{'' if how == 'cuda graph' else ' *'}")
+        print(f"{name:>24} {ms:8.3f} ms{'' if how == 'cuda graph' else ' *'}")
     with open(args.json, "w") as fh:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, experts=E, topk=k, latent=ell,
                        width=I, tokens=N, ms={name: ms for name, (ms, _) in times.items()},
