@@ -10,7 +10,10 @@ of mean ``--mean-doc`` tokens, seed 0, cut at the row end). Each row: forward an
 (median of ``triton.testing.do_bench``, ms), the FLOPs of the (query, key) pairs the mask allows
 (2·(Dqk + Dv) per pair forward, 2.5× that forward+backward) as TFLOP/s, and the time to build the
 block mask (once per micro-batch, shared by the MLA layers). Before timing, every way's output must
-match SDPA's with the dense mask within bf16 noise (2e-2 relative).
+match SDPA's with the dense mask within bf16 noise (2e-2 relative). Then QK-clip's per-head maximum
+logit over the same pairs (``kernels.max_logit``, which every MLA layer computes each training step
+under the Muon recipe): the Triton kernel against the torch reference (fp32 einsums of query blocks),
+which must agree within 1e-4 first.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 from k3train.model import document_attention  # noqa: E402
 from k3train.model.document_attention import allowed, attend, document_block_mask  # noqa: E402
 from k3train.model.documents import Documents  # noqa: E402
+from kernels.max_logit import max_logit  # noqa: E402
 from op_timing import median_ms  # noqa: E402
 from packed_documents import packed_position_ids  # noqa: E402
 
@@ -51,7 +55,8 @@ def main() -> None:
     v = torch.randn(B, T, H, Dv, device=dev, dtype=bf16, generator=g).transpose(1, 2).requires_grad_()
     do = torch.randn(B, H, T, Dv, device=dev, dtype=bf16, generator=g)
 
-    rows = []
+    rows, max_logit_rows = [], []
+    default_way = document_attention.DOCUMENT_ATTENTION
     for layout in ("one per row", "packed"):
         pos = torch.arange(T).expand(B, T) if layout == "one per row" else packed_position_ids(B, T, args.mean_doc)
         docs = Documents.from_position_ids(pos.to(dev))
@@ -88,7 +93,14 @@ def main() -> None:
             rows.append(dict(layout=layout, way=name, documents=docs.cu_seqlens.numel() - 1, fwd_ms=fwd,
                              fwd_bwd_ms=both, fwd_tflops=flops / fwd / 1e9, fwd_bwd_tflops=2.5 * flops / both / 1e9,
                              block_mask_ms=mask_ms if name == "flex" else None, rel_err_vs_sdpa_mask=errors[name]))
-    document_attention.DOCUMENT_ATTENTION = "sdpa"
+        q_pos = torch.arange(T, device=dev)
+        per_backend = {b: max_logit(q, k, docs.doc_ids, docs.doc_ids, q_pos, scale, backend=b) for b in ("triton", "torch")}
+        diff = float((per_backend["triton"] - per_backend["torch"]).abs().max() / per_backend["torch"].abs().max())
+        assert diff < 1e-4, f"the max-logit kernel is {diff:.2g} from the reference ({layout})"
+        for backend in per_backend:
+            ms = median_ms(lambda: max_logit(q, k, docs.doc_ids, docs.doc_ids, q_pos, scale, backend=backend), dev, 25, 100)
+            max_logit_rows.append(dict(layout=layout, backend=backend, ms=ms, rel_diff=diff))
+    document_attention.DOCUMENT_ATTENTION = default_way
     print(f"MLA attention on {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} H={H} T={T} "
           f"qk {Dqk} v {Dv}")
     print(f"{'layout':>12} {'way':>12} {'docs':>5} {'fwd ms':>8} {'f+b ms':>8} {'fwd TF/s':>9} {'f+b TF/s':>9} "
@@ -100,9 +112,12 @@ def main() -> None:
         mask_col = f"{r['block_mask_ms']:8.3f}" if r["block_mask_ms"] is not None else f"{'':>8}"
         print(f"{r['layout']:>12} {r['way']:>12} {r['documents']:>5} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
               f"{r['fwd_tflops']:9.1f} {r['fwd_bwd_tflops']:9.1f} {mask_col}")
+    print("QK-clip max logit (no gradient):")
+    for r in max_logit_rows:
+        print(f"{r['layout']:>12} {r['backend']:>12} {r['ms']:8.3f} ms")
     with open(args.json, "w") as fh:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, batch=B, heads=H, seq=T, qk_dim=Dqk,
-                       v_dim=Dv, mean_doc=args.mean_doc, rows=rows), fh, indent=1)
+                       v_dim=Dv, mean_doc=args.mean_doc, rows=rows, max_logit=max_logit_rows), fh, indent=1)
     print(f"wrote {args.json}")
 
 
