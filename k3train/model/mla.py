@@ -37,7 +37,6 @@ from k3train.parallel.tensor_parallel import TPSpec
 from kernels.max_logit import max_logit
 
 
-
 class GatedMLA(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPSpec):
         super().__init__()

@@ -14,9 +14,9 @@ backward finishes them.
   which is the view, in place, so ``zero`` clears the buffers;
 - bf16 parameters: a post-accumulate-grad hook copies ``p.grad`` (bf16) into ``main(p).grad`` the first
   time in the step and adds it after that (``kernels.grad_accumulate``: a vectorized cast on CUDA), then
-  frees it; ``zero`` only marks every main gradient
-  stale, and ``reduce`` zeroes those that got no gradient all step (one micro-batch: one fp32 write
-  per parameter instead of a zero fill plus a read-modify-write);
+  frees it; ``zero`` only marks every main gradient stale, and ``reduce`` zeroes those that got no
+  gradient all step (one micro-batch: one fp32 write per parameter instead of a zero fill plus a
+  read-modify-write);
 
 so a buffer holds g = Σ_i ∇(loss_i / n), summed in fp32, once ``reduce`` has run.
 
