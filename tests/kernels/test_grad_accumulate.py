@@ -45,3 +45,19 @@ def test_errors():
 
 def test_triton_cpu_subprocess():
     rerun_under_interpreter(__file__)
+
+
+def test_auto_takes_the_kernel_only_for_large_cuda_gradients(monkeypatch):
+    """``"auto"``: Triton for contiguous CUDA gradients of at least TRITON_MIN_NUMEL elements, torch below."""
+    import kernels.grad_accumulate as ga
+    from kernels.grad_accumulate import triton_grad_accumulate
+
+    calls = []
+    monkeypatch.setattr(triton_grad_accumulate, "accumulate", lambda m, g, first: calls.append(g.numel()))
+    monkeypatch.setattr(ga, "use_triton", lambda x, backend, op: True)  # as on a CUDA device
+    monkeypatch.setattr(ga, "TRITON_MIN_NUMEL", 100)
+    small, big = torch.ones(99, dtype=torch.bfloat16), torch.ones(100, dtype=torch.bfloat16)
+    main_small, main_big = torch.zeros(99), torch.zeros(100)
+    accumulate(main_small, small, first=True)
+    accumulate(main_big, big, first=True)
+    assert calls == [100] and torch.equal(main_small, small.float()) and not main_big.any()
