@@ -80,27 +80,21 @@ class GatedMLA(nn.Module):
         q, k, val = (t.transpose(1, 2) for t in (q, k, val))  # [B, H, T, D]
         if self.track_max_logit and not replaying():
             self._update_max_logit(q, k, docs)
-        o = attend(q, k, val, self.scale, docs, lambda: self._allowed(docs, 0, T).unsqueeze(1))
+        o = attend(q, k, val, self.scale, docs, lambda: allowed(*self._pairs(docs, T)).unsqueeze(1))
         o = o.float().transpose(1, 2).reshape(B, T, H * v)
         y = o * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(y.to(x.dtype))
 
     @staticmethod
-    def _allowed(docs: Documents, start: int, end: int) -> torch.Tensor:
-        """[B, end − start, T_keys] bool: which keys local queries start..end may attend to — causal
-        (by position in the whole row) and within one document."""
-        ids = docs.doc_ids
+    def _pairs(docs: Documents, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query doc ids [B, T], key doc ids [B, T_keys], query positions in the whole row [T]): key j may
+        serve query i when j ≤ position_i and both ids agree (causal within one document)."""
         if docs.shard is None:
-            return allowed(ids[:, start:end], ids, torch.arange(start, end, device=ids.device))
-        return allowed(ids[:, start:end], docs.key_doc_ids, docs.query_index[start:end])
+            return docs.doc_ids, docs.doc_ids, torch.arange(T, device=docs.doc_ids.device)
+        return docs.doc_ids, docs.key_doc_ids, docs.query_index
 
     @torch.no_grad()
     def _update_max_logit(self, q: torch.Tensor, k: torch.Tensor, docs: Documents) -> None:
         """max over allowed (query, key) pairs of q·k·scale per head (``kernels.max_logit``)."""
-        if docs.shard is None:
-            q_doc = k_doc = docs.doc_ids
-            q_pos = torch.arange(q.shape[2], device=q.device)
-        else:
-            q_doc, k_doc, q_pos = docs.doc_ids, docs.key_doc_ids, docs.query_index
-        best = max_logit(q, k, q_doc, k_doc, q_pos, self.scale)
+        best = max_logit(q, k, *self._pairs(docs, q.shape[2]), self.scale)
         self.max_logit.copy_(torch.maximum(self.max_logit.to(best.device), best))
