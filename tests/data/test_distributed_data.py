@@ -2,7 +2,6 @@
 read disjoint DP slices that together equal the single-process batches."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -11,16 +10,10 @@ import torch.multiprocessing as mp
 from k3train.config.schema import DataConfig
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, port, prefix, cache, tok_path, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank, world, store, prefix, cache, tok_path, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file rendezvous, not a port picked beforehand (another test may bind it first: EADDRINUSE in CI)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         from k3train.data import BatchIterator, build_datasets, load_tokenizer
 
@@ -48,7 +41,7 @@ def test_two_ranks_build_and_split_batches(tmp_path, make_jsonl):
     import megatron.core.datasets.gpt_dataset  # noqa: F401  (imported once here; forked ranks share it)
 
     # fork, not spawn: a spawned rank would spend ~10 s importing torch and megatron again
-    mp.start_processes(_rank_main, args=(2, _free_port(), prefix, cache, tok_path, str(tmp_path)), nprocs=2,
+    mp.start_processes(_rank_main, args=(2, str(tmp_path / "store"), prefix, cache, tok_path, str(tmp_path)), nprocs=2,
                        join=True, start_method="fork")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["consumed"] == r1["consumed"] == 12

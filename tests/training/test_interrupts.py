@@ -90,14 +90,15 @@ def test_killed_rank_ends_the_job_and_the_resume_continues(tmp_path):
         assert after[step] == before[step], (step, before[step], after[step])
 
 
-def _hang(rank: int, world: int, port: int, flag: str, timings: str) -> None:
+def _hang(rank: int, world: int, store: str, flag: str, timings: str) -> None:
     """Rank 1 never joins the all-reduce; it waits (20 s at most) until rank 0 has given up."""
     import torch
     import torch.distributed as dist
 
     from k3train.training.collective_timeout import set_collective_timeout
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a file rendezvous, not a port picked beforehand (another test may bind it first: EADDRINUSE in CI)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         assert set_collective_timeout([None], 1.0) == 1
         if rank == 0:
@@ -121,9 +122,7 @@ def _hang(rank: int, world: int, port: int, flag: str, timings: str) -> None:
 def test_collective_timeout_fails_a_wait_for_a_hung_rank(tmp_path):
     import torch.multiprocessing as mp
 
-    from multiprocess import free_port
-
     timings = tmp_path / "timings.json"
-    mp.spawn(_hang, args=(2, free_port(), str(tmp_path / "done"), str(timings)), nprocs=2, join=True)
+    mp.spawn(_hang, args=(2, str(tmp_path / "store"), str(tmp_path / "done"), str(timings)), nprocs=2, join=True)
     result = json.loads(timings.read_text())
     assert result["raised"] and result["seconds"] < 8, result  # without the timeout: 20 s, when rank 1 leaves
