@@ -9,12 +9,13 @@ shapes and roles are K3_SPEC.md §5's bench-1B column, laid out as ``k3train.mod
 
 Prints, then writes as JSON:
 1. optimizer step time (median over ``--steps`` timed steps after ``--warmup``) for torch fused
-   AdamW and per-head Muon (default; with the torch elementwise passes; with bmm NS only; with
-   NS replaced by a cast) and whole-matrix Muon, each as a multiple of fused AdamW in the same
+   AdamW and per-head Muon (default; with the torch elementwise passes; with bmm NS only; with the
+   tiled Triton NS; with inductor's NS under ``--inductor``; with NS replaced by a cast) and
+   whole-matrix Muon, each as a multiple of fused AdamW in the same
    run, with the step's floor: its bytes at fused AdamW's bandwidth plus its NS FLOPs at the
    bf16 GEMM ceiling;
 2. Newton–Schulz alone per block-shape bucket (bf16 input, as the optimizer's stack), bmm vs
-   Triton, with TFLOP/s; then the three GEMMs of one NS step on the expert bucket, and that
+   Triton (the fused kernel for ≤ 128 rows, the tiled one above), with TFLOP/s; then the three GEMMs of one NS step on the expert bucket, and that
    bucket in chunks;
 3. the NS work of the most loaded rank when the buckets are split over DP ranks;
 4. a profile of one default per-head Muon step: GPU busy vs wall time, kernels by kind and the
@@ -171,6 +172,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None, help="write results here (default: $OUT/muon_bench.json when $OUT is set)")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--inductor", action="store_true",
+                    help="also time the inductor NS backend (its max-autotune takes minutes at the first step)")
     ap.add_argument("--no-profile", action="store_true", help="skip section 4 (the profiled step)")
     ap.add_argument("--check-model", action="store_true", help="compare the shape table with K3Model on meta and exit")
     ap.add_argument("--cpu-dry-run", action="store_true", help="exercise the script on CPU (vocab 1024, 4 experts)")
@@ -260,7 +263,9 @@ def main() -> int:
     bench("per-head Muon, torch elementwise passes",
           lambda: build_muon(named, cfg_ph, ns_fn=ns_auto, elementwise_backend="torch"))
     bench("per-head Muon, bmm NS only", lambda: build_muon(named, cfg_ph, ns_fn=newton_schulz))
-    if dev.type == "cuda":  # inductor's autotuned GEMMs for the > 128-row blocks (tunes in the warm-up steps)
+    if dev.type == "cuda":
+        bench("per-head Muon, tiled NS", lambda: build_muon(named, cfg_ph, ns_fn=ns_backend("tiled")))
+    if dev.type == "cuda" and args.inductor:  # autotuned GEMMs for the > 128-row blocks (tunes in the warm-up)
         bench("per-head Muon, inductor NS", lambda: build_muon(named, cfg_ph, ns_fn=ns_backend("inductor")))
     bench("per-head Muon, NS replaced by a cast", lambda: build_muon(named, cfg_ph, ns_fn=_no_ns))
     bench("whole-matrix Muon (default)", lambda: build_muon(named, cfg_whole, ns_fn=ns_auto))
@@ -301,13 +306,14 @@ def main() -> int:
         row = {"block": [m, n], "batch": nb, "bmm_ms": t_bmm, "bmm_tflops": ns_flops(nb, m, n) / t_bmm / 1e9}
         best = t_bmm
         line = f"{m:>4d}x{n:<6d} {nb:>6d} {t_bmm:8.3f} {row['bmm_tflops']:6.0f}"
-        if newton_schulz_triton is not None and m <= 128 and dev.type == "cuda":
+        if newton_schulz_triton is not None and dev.type == "cuda":  # fused kernel ≤ 128 rows, tiled above
+            kernel = newton_schulz_triton if m <= 128 else ns_backend("tiled")
             try:
-                out_t = newton_schulz_triton(G, scale=sc)
+                out_t = kernel(G, scale=sc)
                 out_b = newton_schulz(G, scale=sc)
                 rel = float((out_t.float() - out_b.float()).norm() / out_b.float().norm())
-                t_tr = do_bench(lambda: newton_schulz_triton(G, scale=sc), warmup=10, rep=40, return_mode="median")
-                row.update(triton_ms=t_tr, triton_tflops=ns_flops(nb, m, n) / t_tr / 1e9, rel_diff_vs_bmm=rel)
+                t_tr = do_bench(lambda: kernel(G, scale=sc), warmup=10, rep=40, return_mode="median")
+                row.update(triton_kernel="fused" if m <= 128 else "tiled", triton_ms=t_tr, triton_tflops=ns_flops(nb, m, n) / t_tr / 1e9, rel_diff_vs_bmm=rel)
                 line += f" {t_tr:10.3f} {row['triton_tflops']:6.0f} {rel:9.2e}"
                 best = min(best, t_tr)
             except Exception as exc:  # noqa: BLE001

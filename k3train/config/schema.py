@@ -115,8 +115,10 @@ class OptimConfig:
     # Muon (issue 4)
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
-    muon_ns_backend: str = "auto"  # Newton–Schulz: "auto" (Triton for ≤128-row blocks on CUDA), "torch", "triton",
-    # "inductor" ("auto" with the larger blocks through torch.compile max-autotune; not yet measured)
+    muon_ns_backend: str = "auto"  # Newton–Schulz: "auto" (on CUDA the fused Triton kernel for ≤128-row blocks,
+    # the tiled Triton GEMMs for large calls, bmm otherwise), "torch", "triton", "tiled" (the tiled kernel for
+    # every call over 128 rows) or "inductor" (those through torch.compile max-autotune); see
+    # k3train.optim.muon.ns_backend
     per_head_groups: list[str] = field(default_factory=lambda: ["kda_qkv", "mla_q_b", "mla_kv_b"])
     qk_clip_tau: Optional[float] = None
 

@@ -122,8 +122,8 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(0.0 <= o.warmup_fraction < 1.0, f"optim.warmup_fraction={o.warmup_fraction} must be in [0, 1)")
     _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two "
                                                                    f"values in [0, 1)")
-    _need(o.muon_ns_backend in ("auto", "torch", "triton", "inductor"),
-          f"optim.muon_ns_backend={o.muon_ns_backend!r}: use auto, torch, triton or inductor")
+    _need(o.muon_ns_backend in ("auto", "torch", "triton", "tiled", "inductor"),
+          f"optim.muon_ns_backend={o.muon_ns_backend!r}: use auto, torch, triton, tiled or inductor")
     _need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
     _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0 (0 disables weight decay)")
 

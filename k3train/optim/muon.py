@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.newton_schulz.muon_passes import apply_update, nesterov_into
-from k3train.optim.newton_schulz import default_ns_dtype, muon_update_scale, newton_schulz
+from k3train.optim.newton_schulz import NS_STEPS, default_ns_dtype, muon_update_scale, newton_schulz
 from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params, tp_gather_cat, tp_local_slice
 from k3train.model.roles import get_role, require_role
 
@@ -607,9 +607,14 @@ def ns_backend(name: str) -> Callable[..., torch.Tensor]:
     - "torch": batched bmm/baddbmm (``newton_schulz``);
     - "triton": the fused kernel in kernels/newton_schulz for blocks of <= 128 rows, torch
       otherwise (on CPU only under the Triton interpreter: slow, for tests);
-    - "auto" (default): the fused kernel for <= 128-row blocks on CUDA, torch for the rest
-      and on CPU. Measured on an H200 (docs/muon_notes.md): 1.8x faster than bmm on the
-      216+ KDA head blocks [128, 1024], 7x on tiny launch-bound batches;
+    - "auto" (default): on CUDA the fused kernel for <= 128-row blocks, the tiled kernel for calls of
+      more than 128 rows and at least ``TILED_NS_MIN_FLOPS``, torch for the rest; torch on CPU.
+      Measured on an H200 (docs/muon_notes.md): the fused kernel 1.8x faster than bmm on the
+      216+ KDA head blocks [128, 1024], 7x on tiny launch-bound batches; the tiled one 1.3x on
+      bench-1B's 4,608 expert blocks [256, 512];
+    - "tiled": "auto", with the larger blocks on CUDA through ``kernels/newton_schulz/triton_tiled_ns.py``
+      (each step's three GEMMs as Triton kernels that skip the lower half of the symmetric products
+      and apply the polynomial in their epilogues; on CPU under the Triton interpreter);
     - "inductor": "auto", with the larger blocks on CUDA through ``torch.compile(newton_schulz,
       mode="max-autotune-no-cudagraphs")``: inductor's GEMM templates autotuned for each bucket's
       shape (cuBLAS runs the 4,608 expert blocks [256, 512] of bench-1B at ~244 TFLOP/s), compiled
@@ -625,7 +630,9 @@ def ns_backend(name: str) -> Callable[..., torch.Tensor]:
         return newton_schulz_triton
     if name == "auto":
         return _newton_schulz_auto
-    raise ValueError(f"optim.muon_ns_backend must be 'auto', 'torch', 'triton' or 'inductor', got {name!r}")
+    if name == "tiled":
+        return _newton_schulz_tiled
+    raise ValueError(f"optim.muon_ns_backend must be 'auto', 'torch', 'triton', 'tiled' or 'inductor', got {name!r}")
 
 
 _TRITON_NS: list = []  # lazily imported fused kernel (or None when unavailable)
@@ -644,6 +651,28 @@ def _newton_schulz_inductor(G: torch.Tensor, **kw) -> torch.Tensor:
     return _COMPILED_NS[0](G, **kw)
 
 
+# "auto" sends a call of more than 128 rows to the tiled kernel from this many NS FLOPs on (4m²n + 2m³ a block
+# and step). On one H200 (benchmarks/muon.py, docs/results/muon_tiled_h200_2026-12-01.json) the tiled kernel
+# beat bmm on [4608, 256, 512] (3.9 TFLOP: 12.2 against 16.0 ms) and [26, 1024, 1024] (0.84 TFLOP: 1.51
+# against 1.97 ms), and lost on [60, 512, 1024] (0.40 TFLOP: 1.30 against 1.22 ms), [3, 1024, 4864] and
+# every call under 0.1 TFLOP.
+TILED_NS_MIN_FLOPS = 0.5e12
+
+
+def _ns_flops(G: torch.Tensor, steps: int) -> float:
+    m, n = sorted(G.shape[-2:])
+    blocks = G.shape[0] if G.ndim == 3 else 1
+    return blocks * steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def _newton_schulz_tiled(G: torch.Tensor, **kw) -> torch.Tensor:
+    from kernels.newton_schulz.triton_tiled_ns import newton_schulz_tiled, tiled_supports  # noqa: PLC0415
+
+    if min(G.shape[-2:]) <= 128 or not tiled_supports(G):
+        return _newton_schulz_auto(G, **kw)
+    return newton_schulz_tiled(G, **kw)
+
+
 def _newton_schulz_auto(G: torch.Tensor, **kw) -> torch.Tensor:
     if G.is_cuda:
         if not _TRITON_NS:
@@ -655,4 +684,6 @@ def _newton_schulz_auto(G: torch.Tensor, **kw) -> torch.Tensor:
         fn = _TRITON_NS[0]
         if fn is not None and min(G.shape[-2:]) <= 128:
             return fn(G, **kw)
+        if fn is not None and _ns_flops(G, kw.get("steps", NS_STEPS)) >= TILED_NS_MIN_FLOPS:
+            return _newton_schulz_tiled(G, **kw)
     return newton_schulz(G, **kw)

@@ -59,20 +59,7 @@ def newton_schulz(
     Every matrix of the batch is normalized and iterated independently, so a block's
     result does not depend on which other blocks share the call.
     """
-    if G.ndim not in (2, 3):
-        raise ValueError(f"newton_schulz expects a [m, n] or [B, m, n] tensor, got shape {tuple(G.shape)}")
-    if steps < 1:
-        raise ValueError(f"newton_schulz needs at least one step, got {steps}")
-    squeeze = G.ndim == 2
-    if squeeze:
-        G = G.unsqueeze(0)
-    if dtype is None:
-        dtype = default_ns_dtype(G.device)
-    if dtype == torch.float16:
-        raise ValueError(f"newton_schulz computes in bf16, fp32 or fp64 (an fp16 Gram matrix overflows), got {dtype}")
-    tall = G.shape[-2] > G.shape[-1]
-    if tall:
-        G = G.mT
+    G, squeeze, tall, dtype = wide_batch(G, steps, dtype)
     a, b, c = coeffs
 
     # Step 1 on G itself (no normalization pass, no copy when G is already in the compute dtype).
@@ -91,8 +78,30 @@ def newton_schulz(
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a * s, alpha=s)
 
+    return unwide(X, squeeze, tall)
+
+
+def wide_batch(G: torch.Tensor, steps: int, dtype: Optional[torch.dtype]
+               ) -> tuple[torch.Tensor, bool, bool, torch.dtype]:
+    """Checks ``newton_schulz``'s arguments; returns G as a wide [B, m, n] view (m <= n), whether it was
+    2-D, whether it was tall (transposed), and the compute dtype (``dtype`` or the device's default)."""
+    if G.ndim not in (2, 3):
+        raise ValueError(f"newton_schulz expects a [m, n] or [B, m, n] tensor, got shape {tuple(G.shape)}")
+    if steps < 1:
+        raise ValueError(f"newton_schulz needs at least one step, got {steps}")
+    if dtype is None:
+        dtype = default_ns_dtype(G.device)
+    if dtype == torch.float16:
+        raise ValueError(f"newton_schulz computes in bf16, fp32 or fp64 (an fp16 Gram matrix overflows), got {dtype}")
+    squeeze = G.ndim == 2
+    if squeeze:
+        G = G.unsqueeze(0)
+    tall = G.shape[-2] > G.shape[-1]
+    return (G.mT if tall else G), squeeze, tall, dtype
+
+
+def unwide(X: torch.Tensor, squeeze: bool, tall: bool) -> torch.Tensor:
+    """Undoes ``wide_batch``'s view changes on a result."""
     if tall:
         X = X.mT
-    if squeeze:
-        X = X.squeeze(0)
-    return X
+    return X.squeeze(0) if squeeze else X

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from kernels.newton_schulz.torch_ns import NS_COEFFS, NS_STEPS, default_ns_dtype, newton_schulz
+from kernels.newton_schulz.torch_ns import NS_COEFFS, NS_STEPS, newton_schulz, unwide, wide_batch
 
 try:
     import triton
@@ -113,14 +113,7 @@ def newton_schulz_triton(
     """Same contract as ``newton_schulz``; unsupported inputs fall back to it."""
     if not triton_supports(G):
         return newton_schulz(G, steps=steps, coeffs=coeffs, eps=eps, scale=scale, dtype=dtype)
-    squeeze = G.ndim == 2
-    if squeeze:
-        G = G.unsqueeze(0)
-    if dtype is None:
-        dtype = default_ns_dtype(G.device)
-    tall = G.shape[-2] > G.shape[-1]
-    if tall:
-        G = G.mT
+    G, squeeze, tall, dtype = wide_batch(G, steps, dtype)
     Bsz, M, N = G.shape
     norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(G.dtype, torch.float32))
     X = torch.empty((Bsz, M, N), dtype=dtype, device=G.device)
@@ -139,9 +132,4 @@ def newton_schulz_triton(
         STEPS=steps, BM=BM, BN=BN, DOT_FP32=interp or dtype == torch.float32,
         num_warps=num_warps,
     )
-    out = Y if steps % 2 == 1 else X
-    if tall:
-        out = out.mT
-    if squeeze:
-        out = out.squeeze(0)
-    return out
+    return unwide(Y if steps % 2 == 1 else X, squeeze, tall)
