@@ -85,24 +85,25 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--tiles", nargs="+", default=None, metavar="MxW",
-                   help="GPU tiles to sweep, as tokens x warps per program (e.g. 4x8 8x8 8x4); default: the "
-                        "kernels' own (kernels/attn_res/triton_attn_res.py GPU_BLOCK_M, GPU_NUM_WARPS)")
+                   help="GPU tiles to sweep, as tokens x warps per program (e.g. 4x8 8x8 8x4), each for both "
+                        "kernels; default: the kernels' own per-S choice (kernels/attn_res/triton_attn_res.py "
+                        "gpu_tile)")
     p.add_argument("--small", action="store_true", help="64 tokens, d 96, 2 reps: a dry run")
     p.add_argument("--json", default="attn_res_bench.json")
     args = p.parse_args()
     if args.small:
         args.tokens, args.dim, args.warmup, args.rep = 64, 96, 1, 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles] if args.tiles else [
-        (triton_attn_res.GPU_BLOCK_M, triton_attn_res.GPU_NUM_WARPS)]
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles] if args.tiles else [None]
     rows = []
     for S in args.sources:
         rows.append(measure(S, args.tokens, args.dim, "torch", device, args.warmup, args.rep))
-        for block_m, warps in tiles:  # the kernels read the tile at each launch
-            triton_attn_res.GPU_BLOCK_M, triton_attn_res.GPU_NUM_WARPS = block_m, warps
+        for tile in tiles:  # the kernels read the tile at each launch
+            triton_attn_res.GPU_TILE_OVERRIDE = tile
             check(S, args.tokens, args.dim, device)
             row = measure(S, args.tokens, args.dim, "triton", device, args.warmup, args.rep)
-            rows.append({**row, "tile": f"{block_m}x{warps}"})
+            rows.append({**row, "tile": "auto" if tile is None else f"{tile[0]}x{tile[1]}"})
+        triton_attn_res.GPU_TILE_OVERRIDE = None
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"AttnRes aggregation, {args.tokens} tokens, d={args.dim}, fp32 sources, {name}")
     print(f"{'S':>2} {'backend':>12} {'fwd ms':>8} {'fwd GB/s':>9} {'f+b ms':>8} {'f+b GB/s':>9} "

@@ -28,10 +28,26 @@ from triton.runtime.interpreter import InterpretedFunction
 from .reference import RMS_EPS
 
 MAX_SOURCES = 8
-# GPU tiles (untuned): BLOCK_M tokens × BLOCK_D features a program; the interpreter takes small
-# tiles so tests cover several row blocks, several d chunks and the masked edges.
-GPU_BLOCK_M, GPU_MAX_BLOCK_D, GPU_NUM_WARPS = 4, 512, 8
+# GPU tiles: BLOCK_M tokens a program (and its warps), BLOCK_D ≤ GPU_MAX_BLOCK_D features a chunk. Swept with
+# benchmarks/attn_res.py --tiles at 32768 tokens, d = 1024, fp32 sources on one H200
+# (docs/results/attn_res_tiles_h200_2026-12-01.json): 2 tokens × 4 warps is the fastest forward at every S
+# from 1 to 5; the backward prefers 8 × 4 up to 3 sources, 2 × 4 from 4 on. ``GPU_TILE_OVERRIDE`` (set
+# by the benchmark's sweep) replaces both. The interpreter takes small tiles so tests cover several row
+# blocks, several d chunks and the masked edges.
+GPU_FWD_TILE = (2, 4)
+GPU_BWD_TILE_FEW, GPU_BWD_TILE_MANY, GPU_BWD_FEW_SOURCES = (8, 4), (2, 4), 3
+GPU_MAX_BLOCK_D = 512
+GPU_TILE_OVERRIDE: tuple[int, int] | None = None
 INTERPRET_BLOCKS = (4, 64)
+
+
+def gpu_tile(S: int, backward: bool) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) of the forward or backward kernel for S sources on a GPU."""
+    if GPU_TILE_OVERRIDE is not None:
+        return GPU_TILE_OVERRIDE
+    if not backward:
+        return GPU_FWD_TILE
+    return GPU_BWD_TILE_FEW if S <= GPU_BWD_FEW_SOURCES else GPU_BWD_TILE_MANY
 
 
 @triton.jit
@@ -150,13 +166,14 @@ def interpreter_active() -> bool:
     return isinstance(_attn_res_fwd_kernel, InterpretedFunction)
 
 
-def _launch(M: int, D: int, S: int, t: torch.Tensor) -> tuple[int, dict]:
+def _launch(M: int, D: int, S: int, t: torch.Tensor, backward: bool) -> tuple[int, dict]:
     """(number of programs, meta-parameters) for M tokens of d = D features and S sources."""
     if S < 1 or S > MAX_SOURCES:
         raise ValueError(f"the Triton AttnRes kernels take 1..{MAX_SOURCES} sources, got {S}")
     if t.is_cuda:
-        bm, bd = GPU_BLOCK_M, min(GPU_MAX_BLOCK_D, max(16, triton.next_power_of_2(D)))
-        opts = {"num_warps": GPU_NUM_WARPS}
+        bm, warps = gpu_tile(S, backward)
+        bd = min(GPU_MAX_BLOCK_D, max(16, triton.next_power_of_2(D)))
+        opts = {"num_warps": warps}
     elif interpreter_active():
         (bm, bd), opts = INTERPRET_BLOCKS, {}
     else:
@@ -182,7 +199,7 @@ def attn_res_fwd(sources: list[torch.Tensor], qt: torch.Tensor
     r = torch.empty((M, S), dtype=torch.float32, device=dev)
     a = torch.empty((M, S), dtype=torch.float32, device=dev)
     if M * D:
-        n, meta = _launch(M, D, S, sources[0])
+        n, meta = _launch(M, D, S, sources[0], backward=False)
         _attn_res_fwd_kernel[(n,)](*_slots(sources), qt, out, r, a, M, D, RMS_EPS, **meta)
     return out, r, a
 
@@ -195,7 +212,7 @@ def attn_res_bwd(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.
     dvs = [torch.empty_like(v) for v in sources]
     if M * D == 0:
         return dvs, torch.zeros(D, dtype=torch.float32, device=qt.device)
-    n, meta = _launch(M, D, len(sources), sources[0])
+    n, meta = _launch(M, D, len(sources), sources[0], backward=True)
     dq_parts = torch.empty((n, D), dtype=torch.float32, device=qt.device)
     _attn_res_bwd_kernel[(n,)](*_slots(sources), *_slots(dvs), qt, grad_out, r, a, dq_parts, M, D,
                                **meta)

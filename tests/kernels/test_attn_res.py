@@ -181,7 +181,7 @@ def test_triton_custom_op_registration():
     """k3::attn_res's schema, fake shapes and autograd registration (what torch.compile relies on)
     agree with the kernels, here at 3 sources."""
     sources, w, gain, _ = random_inputs(3, (2, 5, 96), seed=4)
-    qt = (w.view(-1) * gain).float().contiguous()
+    qt = (w.view(-1) * gain).float().contiguous().to(DEV)  # on the sources' device
     torch.library.opcheck(torch.ops.k3.attn_res, (qt.requires_grad_(), _leaves(sources, dtype=torch.float32)))
 
 
