@@ -6,7 +6,8 @@ Pieces at bench-1B MoE dims by default (E=128, k=8, ℓ=512, I=256, 16384 tokens
 the dispatch (sort, counts, row gather), the sort and counts alone, the row gather and the weighted
 combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference), the W13 and W2 grouped
 GEMMs and the fused SiTU-GLU; medians, ms. ``--permute-tiles 4096x4 16384x8 …`` also times the Triton
-gather and combine at each tile (elements of a program's [tokens, k, columns] tile × warps). Each piece is captured in a CUDA graph and its
+gather and combine at each tile (elements of a program's [tokens, k, columns] tile × warps), and
+``--situ-tiles 2048x4 …`` the SiTU-GLU kernels at each tile (elements of a program's tile × warps). Each piece is captured in a CUDA graph and its
 replays timed (``triton.testing.do_bench_cudagraph``), so the figure is GPU time without the host's
 autograd and launch overhead, which ``do_bench`` alone adds to pieces this small; a piece that cannot be
 captured (one that reads back to the host, e.g. ``torch.bincount``) is timed with ``do_bench`` and
@@ -29,7 +30,7 @@ from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher, counts_of_sorted, stable_sort  # noqa: E402
 from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # noqa: E402
-from kernels.situ import situ_glu_packed  # noqa: E402
+from kernels.situ import situ_glu_packed, triton_situ  # noqa: E402
 from op_timing import graph_ms, median_ms  # noqa: E402
 
 
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--permute-tiles", nargs="*", default=[], metavar="ELEMSxWARPS",
                     help="also time the Triton gather and combine at these tiles")
+    ap.add_argument("--situ-tiles", nargs="*", default=[], metavar="ELEMSxWARPS",
+                    help="also time the Triton SiTU-GLU at these tiles")
     ap.add_argument("--json", default="moe_components.json")
     args = ap.parse_args()
     E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
@@ -61,7 +64,8 @@ def main() -> None:
     disp = LocalTokenDispatcher(E)
     z = torch.randn(N, ell, device=dev, dtype=bf16, requires_grad=True)
     w = torch.rand(N, k, device=dev, requires_grad=True)
-    _, tokens_per_expert, handle = disp.dispatch(z, idx)
+    with torch.no_grad():  # a graph kept alive from here would pin z's AccumulateGrad to this stream
+        _, tokens_per_expert, handle = disp.dispatch(z, idx)  # and break the captures of backwards below
     offsets = tokens_per_expert.cumsum(0).to(torch.int32)
     rows = torch.randn(N * k, ell, device=dev, dtype=bf16, requires_grad=True)
     gate_up = torch.randn(N * k, 2 * I, device=dev, dtype=bf16, requires_grad=True)
@@ -89,12 +93,20 @@ def main() -> None:
             lambda: dispatch_rows(z, handle.order, handle.inverse, k, backend=backend), z)
         times[f"combine ({backend})"] = fwd_bwd(
             lambda: combine_rows(rows, w, handle.order, handle.inverse, backend=backend), rows, w)
-    default_tile = triton_permute.GPU_TILE_ELEMS, triton_permute.GPU_NUM_WARPS
-    for tile in args.permute_tiles:  # the kernels read the tile at each launch
-        triton_permute.GPU_TILE_ELEMS, triton_permute.GPU_NUM_WARPS = (int(v) for v in tile.split("x"))
-        times[f"dispatch rows {tile}"] = fwd_bwd(lambda: dispatch_rows(z, handle.order, handle.inverse, k), z)
-        times[f"combine {tile}"] = fwd_bwd(lambda: combine_rows(rows, w, handle.order, handle.inverse), rows, w)
-    triton_permute.GPU_TILE_ELEMS, triton_permute.GPU_NUM_WARPS = default_tile
+    sweeps = [(triton_permute, "GPU_TILE_ELEMS", args.permute_tiles,
+               {"dispatch rows": lambda: fwd_bwd(lambda: dispatch_rows(z, handle.order, handle.inverse, k), z),
+                "combine": lambda: fwd_bwd(lambda: combine_rows(rows, w, handle.order, handle.inverse), rows, w)}),
+              (triton_situ, "GPU_BLOCK_ELEMS", args.situ_tiles,
+               {"SiTU-GLU": lambda: fwd_bwd(lambda: situ_glu_packed(gate_up), gate_up)})]
+    for module, elems_name, tiles, pieces in sweeps:  # the kernels read the tile at each launch
+        default_tile = getattr(module, elems_name), module.GPU_NUM_WARPS
+        for tile in tiles:
+            elems, module.GPU_NUM_WARPS = (int(v) for v in tile.split("x"))
+            setattr(module, elems_name, elems)
+            for name, timed in pieces.items():
+                times[f"{name} {tile}"] = timed()
+        setattr(module, elems_name, default_tile[0])
+        module.GPU_NUM_WARPS = default_tile[1]
     print(f"{torch.cuda.get_device_name()}, bf16, E={E} k={k} ℓ={ell} I={I} N={N}, fwd+bwd")
     for name, (ms, how) in times.items():
         print(f"{name:>24} {ms:8.3f} ms{'' if how == 'cuda graph' else ' *'}")
