@@ -29,9 +29,12 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-# GPU tiles: 2048 elements a program (untuned); the interpreter takes small tiles so that
+# GPU tiles: GPU_BLOCK_ELEMS elements a program. Swept with benchmarks/moe_components.py --situ-tiles on one
+# H200 ([131072, 2·256] bf16 gate|up, fwd+bwd, CUDA-graph replays;
+# docs/results/moe_components_situ_tiles_h200_2026-12-01.json): 1024 × 4 warps 0.237 ms, 2048 × 4 0.249,
+# 4096 × 8 0.275, 2048 × 2 0.328, 4096 × 4 0.330, 8192 × 8 0.356. The interpreter takes small tiles so that
 # tests cover several blocks and the masked edges.
-GPU_BLOCK_ELEMS = 2048
+GPU_BLOCK_ELEMS = 1024
 GPU_MAX_BLOCK_N = 256
 GPU_NUM_WARPS = 4
 INTERPRET_BLOCKS = (16, 32)
