@@ -67,9 +67,14 @@ def _autocast(device: torch.device, compute: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def _peak_memory_gb(device: torch.device) -> float:
+def _peak_memory_gb(device: torch.device, reset: bool = False) -> float:
+    """GPU: the most memory allocated since the last reset (``reset``: start a new window after reading, so
+    that a logged step reports its own interval's peak, not the compile warm-up's); CPU: resident memory."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak
     import psutil
 
     return psutil.Process().memory_info().rss / 2**30
@@ -285,7 +290,7 @@ class Trainer:
             "kind": "train", "step": step, "loss": loss_value,
             "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-            "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device),
+            "mfu": achieved / self.peak if self.peak else None, "peak_mem_gb": _peak_memory_gb(self.device, reset=logs),
             "skipped": skipped, "skip_reason": skip_reason, **self._expert_load(moe, logs or skipped),
             **(self._optimizer_metrics(skipped, qk_clip) if logs else {}), **phase_times,
         }
