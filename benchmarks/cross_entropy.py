@@ -1,6 +1,6 @@
 """Fused cross-entropy over bf16 logits: the Triton kernels against today's path.
 
-    python benchmarks/cross_entropy.py [--tokens 8192] [--vocab 163840] [--json out.json] [--small]
+    python benchmarks/cross_entropy.py [--tokens 8192] [--vocab 163840] [--tiles 4096x4096x8 …] [--json out.json]
 
 One process, one GPU, bench-1B shapes by default (8,192 tokens × 163,840 vocabulary, bf16 logits,
 TP = 1). For each path ("triton": ``kernels.cross_entropy``; "today": ``F.cross_entropy`` on
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--tiles", nargs="*", default=[], metavar="FWDxBWDxWARPS",
+                    help="also time the Triton path at these blocks (forward BLOCK_V, backward BLOCK_V, warps; GPU)")
     ap.add_argument("--json")
     args = ap.parse_args()
     N, V = (33, 1000) if args.small else (args.tokens, args.vocab)
@@ -75,6 +77,15 @@ def main() -> None:
         peak = "-" if r["peak_extra_gib"] is None else f"{r['peak_extra_gib']:.2f}"
         print(f"{r['path']:8} {r['tokens']:7d} {r['vocab']:7d} {r['fwd_bwd_ms']:11.3f} {peak:>15}")
     print(f"speed-up {rows[1]['fwd_bwd_ms'] / rows[0]['fwd_bwd_ms']:.2f}x")
+    if args.tiles and device == "cuda":  # the kernels read the blocks at each launch
+        from kernels.cross_entropy import triton_cross_entropy as tce
+        default = tce.GPU_FWD, tce.GPU_BWD, tce.GPU_NUM_WARPS
+        for tile in args.tiles:
+            tce.GPU_FWD, tce.GPU_BWD, tce.GPU_NUM_WARPS = (int(v) for v in tile.split("x"))
+            ms = median_ms(lambda: fwd_bwd("triton", z, y, go), device, 5, 20)
+            rows.append({"path": "triton", "tile": tile, "tokens": N, "vocab": V, "fwd_bwd_ms": ms})
+            print(f"triton {tile:>16}: {ms:.3f} ms", flush=True)
+        tce.GPU_FWD, tce.GPU_BWD, tce.GPU_NUM_WARPS = default
     if args.json:
         with open(args.json, "w") as f:
             name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

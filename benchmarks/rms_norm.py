@@ -1,6 +1,6 @@
 """RMSNorm: the fused Triton kernels against the torch reference, at the bench-1B step's shapes.
 
-    python benchmarks/rms_norm.py [--tokens 8192] [--json out.json]
+    python benchmarks/rms_norm.py [--tokens 8192] [--block-elems 2048 4096 8192 16384] [--json out.json]
 
 One process, one GPU. Cases (the norms of one bench-1B step, 2×4096 tokens):
 
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from kernels.rms_norm import rms_norm  # noqa: E402
-from op_timing import median_ms  # noqa: E402
+from op_timing import graph_ms, median_ms  # noqa: E402
 
 EPS = 1e-5
 # name: (rows per token, width, x dtype, y dtype, gated)
@@ -108,10 +108,30 @@ def measure(case: str, tokens: int, device: str, warmup: int, rep: int) -> dict:
     return row
 
 
+def sweep(tokens: int, device: str, block_elems: list[int]) -> list[dict]:
+    """The Triton fwd+bwd of every case at each ``GPU_BLOCK_ELEMS`` (elements of a program's tile), timed as
+    CUDA-graph replays (GPU time alone; ``do_bench`` above includes the host wherever it sets the pace)."""
+    from kernels.rms_norm import triton_rms_norm
+
+    default, rows = triton_rms_norm.GPU_BLOCK_ELEMS, []
+    for case in CASES:
+        (x, w, gate, dy), ydt = inputs(case, tokens, device, seed=0)
+        ls = leaves(x, w, gate)
+        for elems in block_elems:  # the kernels read the tile at each launch
+            triton_rms_norm.GPU_BLOCK_ELEMS = elems
+            ms = graph_ms(lambda: torch.autograd.grad(call(ls, gate is not None, ydt, "triton"), ls, dy))
+            rows.append({"case": case, "block_elems": elems, "fwd_bwd_graph_ms": ms})
+            print(f"{case:>8} tile {elems:>6} elements: {ms if ms is None else f'{ms:.3f} ms'}", flush=True)
+    triton_rms_norm.GPU_BLOCK_ELEMS = default
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--small", action="store_true", help="64 tokens, a dry run (also on CPU)")
+    p.add_argument("--block-elems", type=int, nargs="*", default=[], metavar="N",
+                   help="also time the kernels at these tiles (GPU_BLOCK_ELEMS), as CUDA-graph replays (GPU only)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,9 +147,11 @@ def main() -> None:
         print(f"{r['case']:>8} {'x'.join(map(str, r['shape'])):>12} {x:>5} {y:>5} | {r['triton_fwd_bwd_ms']:7.3f} "
               f"{r['torch_fwd_bwd_ms']:7.3f} {r['torch_over_triton']:6.2f} | "
               f"{r['triton_launches']} / {r['torch_launches']}")
+    tiles = sweep(tokens, device, args.block_elems) if args.block_elems and device == "cuda" else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "torch": torch.__version__, "tokens": tokens, "rows": rows}, f, indent=2)
+            json.dump({"gpu": gpu, "torch": torch.__version__, "tokens": tokens, "rows": rows, "tiles": tiles}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":
