@@ -15,8 +15,9 @@ Prints, then writes as JSON:
    run, with the step's floor: its bytes at fused AdamW's bandwidth plus its NS FLOPs at the
    bf16 GEMM ceiling;
 2. Newton–Schulz alone per block-shape bucket (bf16 input, as the optimizer's stack), bmm vs
-   Triton (the fused kernel for ≤ 128 rows, the tiled one above), with TFLOP/s; then the three GEMMs of one NS step on the expert bucket, and that
-   bucket in chunks;
+   Triton (the fused kernel for ≤ 128 rows, the tiled one above), with TFLOP/s; then the three GEMMs
+   of one NS step on the expert bucket, that bucket in chunks, and (``--ns-tiles``) the tiled kernel
+   on it at other tiles;
 3. the NS work of the most loaded rank when the buckets are split over DP ranks;
 4. a profile of one default per-head Muon step: GPU busy vs wall time, kernels by kind and the
    top kernels (``benchmarks/train_step.py``'s profiler).
@@ -172,6 +173,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None, help="write results here (default: $OUT/muon_bench.json when $OUT is set)")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--ns-tiles", nargs="*", default=[], metavar="BMxBKxWARPSxSTAGES",
+                    help="time the tiled NS kernel on the biggest bucket at these tiles (e.g. 128x64x8x3)")
     ap.add_argument("--inductor", action="store_true",
                     help="also time the inductor NS backend (its max-autotune takes minutes at the first step)")
     ap.add_argument("--no-profile", action="store_true", help="skip section 4 (the profiled step)")
@@ -354,6 +357,18 @@ def main() -> int:
                      warmup=5, rep=40, return_mode="median")
         anatomy.append({"ns_chunk_blocks": chunk, "ms": t})
         print(f"  whole NS (bmm) in chunks of {chunk:5d} blocks: {t:7.3f} ms")
+    if args.ns_tiles and dev.type == "cuda":  # the tiled kernel's tile on this bucket (read at each launch)
+        from kernels.newton_schulz import triton_tiled_ns
+        default = dict(triton_tiled_ns.GPU_TILES)
+        for tile in args.ns_tiles:
+            bm, bk, warps, stages = (int(v) for v in tile.split("x"))
+            triton_tiled_ns.GPU_TILES = dict(BM=bm, BN=bm, BK=bk, num_warps=warps, num_stages=stages)
+            t = do_bench(lambda: triton_tiled_ns.newton_schulz_tiled(X, scale=sc), warmup=10, rep=40,
+                         return_mode="median")
+            anatomy.append({"tiled_ns_tile": tile, "ms": t, "tflops": ns_flops(nb, m, n) / t / 1e9})
+            print(f"  tiled NS, tile {tile:>14s} (BM=BN x BK x warps x stages): {t:7.3f} ms "
+                  f"{anatomy[-1]['tflops']:6.0f} TF/s")
+        triton_tiled_ns.GPU_TILES = default
     res["biggest_bucket_anatomy"] = anatomy
     del X, A, B
 
