@@ -222,6 +222,17 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
         _need(compute == "bf16", f"precision.dtype={pr.dtype} with train.device={t.device} runs fp32 activations, "
                                  f"and torch.compile traces the routed experts' grouped GEMM (torch._grouped_mm) in "
                                  f"bf16 only; set precision.dtype=bf16 or train.compile=false")
+    if t.optimizer_cuda_graph:
+        _need(_device_type(t.device) == "cuda",
+              f"train.optimizer_cuda_graph=true captures the optimizer step in a CUDA graph, but train.device="
+              f"{t.device} is not a GPU; set train.optimizer_cuda_graph=false")
+        _need(cfg.optim.name == "muon",
+              f"optim.name={cfg.optim.name}: train.optimizer_cuda_graph=true captures K3Muon's step (which reads its "
+              f"learning rates from the device); use optim=muon or set train.optimizer_cuda_graph=false")
+        _need(world_size == 1,
+              f"world size {world_size}: train.optimizer_cuda_graph=true is built for one rank (the step's "
+              f"collectives, Newton–Schulz shared over DP and the TP gathers, are not captured); launch one "
+              f"process or set train.optimizer_cuda_graph=false")
     _need(not (pr.recipe == "fp8_block" and t.device == "cpu"),
           "precision.recipe=fp8_block runs on the GPU only (torch._scaled_mm with block scales); on CPU use "
           "precision.recipe=mxfp8 or bf16")

@@ -151,6 +151,10 @@ class K3Muon(torch.optim.Optimizer):
     two fused passes around NS (``kernels/newton_schulz/muon_passes.py``): momentum + Nesterov +
     cast written into the stack, and decay + update + the update's sum of squares; "auto" is
     Triton on CUDA.
+
+    ``lr_on_device`` (default False): the step reads each group's learning rate from an fp32 device
+    scalar that ``sync_device_lr()`` fills from ``lr``, so that a step captured in a CUDA graph
+    (``k3train/training/optimizer_graph.py``) follows the schedule on replay.
     """
 
     def __init__(
@@ -185,6 +189,10 @@ class K3Muon(torch.optim.Optimizer):
         self.stack_max_blocks = stack_max_blocks
         self.elementwise_backend = elementwise_backend
         self.check_finite = True  # skip steps with non-finite gradients (module docstring)
+        # Set by a caller that captures step() in a CUDA graph: the step then reads every group's learning
+        # rate from an fp32 device scalar, written by sync_device_lr() (which must run before each step).
+        self.lr_on_device = False
+        self._lr_device: dict[int, torch.Tensor] = {}  # param-group index → 0-d fp32
         self.last_step_skipped = False
         self.num_skipped_steps = 0
         self.last_step_info: dict[str, Any] = {}
@@ -240,6 +248,21 @@ class K3Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             self._check_group(group)
 
+    def sync_device_lr(self) -> None:
+        """Write each group's ``lr`` into its device scalar, which step() reads when ``lr_on_device`` is set
+        (one fill kernel a group, no host read; outside a captured step, before each replay)."""
+        for i, group in enumerate(self.param_groups):
+            t = self._lr_device.get(i)
+            if t is None:
+                t = self._lr_device[i] = torch.zeros((), dtype=torch.float32, device=group["params"][0].device)
+            t.fill_(group["lr"])
+
+    def _lr(self, group: dict) -> float | torch.Tensor:
+        """The group's learning rate: its ``lr``, or its device scalar under ``lr_on_device``."""
+        if not self.lr_on_device:
+            return group["lr"]
+        return self._lr_device[next(i for i, g in enumerate(self.param_groups) if g is group)]
+
     @staticmethod
     def _state_dtype(p: torch.Tensor) -> torch.dtype:
         return torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
@@ -251,6 +274,8 @@ class K3Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.lr_on_device and len(self._lr_device) < len(self.param_groups):
+            raise RuntimeError("K3Muon.lr_on_device is set: call sync_device_lr() before step()")
         grads = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -314,7 +339,8 @@ class K3Muon(torch.optim.Optimizer):
                 lst.append(t)
         for ps, gs, ms, vs, steps in by_key.values():
             torch._foreach_add_(steps, 1.0)
-            kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
+            kw = dict(lr=self._lr(group), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                      eps=group["eps"])
             if hasattr(torch, "_fused_adamw_"):
                 torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, maximize=False, **kw)
             else:  # pragma: no cover - very old torch
@@ -346,9 +372,13 @@ class K3Muon(torch.optim.Optimizer):
             buckets += part
         sums = [torch.zeros((), dtype=torch.float32, device=items[0].param.device) for _ in range(3)]
         numel = [0, 0, 0]
+        coeffs: dict[int, tuple] = {}  # per group: (1 - lr·wd, -lr), numbers or device scalars
         for it in items:
+            if id(it.group) not in coeffs:
+                lr = self._lr(it.group)
+                coeffs[id(it.group)] = (1.0 - lr * it.group["weight_decay"], -lr)
             share = self._share(it)
-            self._apply(it, sums[share])
+            self._apply(it, sums[share], *coeffs[id(it.group)])
             numel[share] += it.param.numel()
         sumsq = torch.stack(sums)
         self.last_step_info = {
@@ -507,19 +537,19 @@ class K3Muon(torch.optim.Optimizer):
                 items[i].update = blk.mT if items[i].spec.transposed else blk
                 start += nb
 
-    def _apply(self, it: _Item, sumsq: torch.Tensor) -> None:
-        """p <- p (1 - lr wd) - lr update, in one pass; adds the update's sum of squares to ``sumsq``."""
+    def _apply(self, it: _Item, sumsq: torch.Tensor, beta, alpha) -> None:
+        """p <- beta p + alpha update (beta = 1 - lr wd, alpha = -lr), in one pass; adds the update's sum of
+        squares to ``sumsq``."""
         spec, p, upd = it.spec, it.param, it.update
-        lr, wd = it.group["lr"], it.group["weight_decay"]
         if spec.gather_dim is None and p.is_contiguous():
-            apply_update(spec.blocks(p), upd, 1.0 - lr * wd, -lr, sumsq, self.elementwise_backend)
+            apply_update(spec.blocks(p), upd, beta, alpha, sumsq, self.elementwise_backend)
             return
         full = torch.empty(spec.full_shape, dtype=upd.dtype, device=upd.device)
         spec.blocks(full).copy_(upd)
         if spec.gather_dim is not None:
             tp = self.tp_group
             full = tp_local_slice(full, spec.gather_dim, _group_rank(tp), _group_size(tp), spec.stride)
-        apply_update(_as3d(p), _as3d(full), 1.0 - lr * wd, -lr, sumsq, self.elementwise_backend)
+        apply_update(_as3d(p), _as3d(full), beta, alpha, sumsq, self.elementwise_backend)
 
 
 def _as3d(t: torch.Tensor) -> torch.Tensor:

@@ -53,16 +53,21 @@ def nesterov_into(grad: torch.Tensor, buf: torch.Tensor, out: torch.Tensor, mome
         out.copy_(buf)
 
 
-def apply_update(param: torch.Tensor, update: torch.Tensor, beta: float, alpha: float, sumsq: torch.Tensor,
-                 backend: str = "auto") -> None:
-    """``param <- beta param + alpha update``; add sum(update^2) to the fp32 0-d ``sumsq``."""
+def apply_update(param: torch.Tensor, update: torch.Tensor, beta: float | torch.Tensor, alpha: float | torch.Tensor,
+                 sumsq: torch.Tensor, backend: str = "auto") -> None:
+    """``param <- beta param + alpha update``; add sum(update^2) to the fp32 0-d ``sumsq``. ``beta`` and
+    ``alpha`` are numbers, or (so that a step captured in a CUDA graph can change them) both 0-d fp32
+    tensors on the parameter's device."""
     _check("apply_update", param, update)
     if use_triton(param, backend, "Muon update"):
         from kernels.newton_schulz import triton_passes
 
         triton_passes.apply_update(param, update, beta, alpha, sumsq)
         return
-    if beta != 1.0:
-        param.mul_(beta)
-    param.add_(update, alpha=alpha)
+    if isinstance(beta, torch.Tensor):
+        param.mul_(beta).addcmul_(update, alpha)
+    else:
+        if beta != 1.0:
+            param.mul_(beta)
+        param.add_(update, alpha=alpha)
     sumsq.add_(torch.linalg.vector_norm(update, dtype=torch.float32).square())

@@ -49,8 +49,11 @@ def _nesterov_kernel(G, M, O, R, C, sgb, sgr, sgc, smb, smr, smc, sob, sor, soc,
 
 
 @triton.jit
-def _apply_kernel(P, U, S, R, C, spb, spr, spc, sub, sur, suc, beta, alpha,
+def _apply_kernel(P, U, S, R, C, spb, spr, spc, sub, sur, suc, beta, alpha, SCALARS_ON_DEVICE: tl.constexpr,
                   BR: tl.constexpr, BC: tl.constexpr, ROW_TILES: tl.constexpr):
+    if SCALARS_ON_DEVICE:  # beta and alpha point to fp32 scalars (a step captured in a CUDA graph)
+        beta = tl.load(beta)
+        alpha = tl.load(alpha)
     blk, r0, cols = _tile(R, C, BR, BC, ROW_TILES)
     acc = tl.zeros((BR, BC), dtype=tl.float32)
     for t in tl.static_range(ROW_TILES):
@@ -79,12 +82,18 @@ def nesterov_into(grad, buf, out, momentum: float, nesterov: bool) -> None:
     )
 
 
-def apply_update(param, update, beta: float, alpha: float, sumsq) -> None:
+def apply_update(param, update, beta, alpha, sumsq) -> None:
+    """beta and alpha: both Python numbers, or both one-element fp32 tensors on the parameter's device."""
     if param.numel() == 0:
         return
     if sumsq.dtype != torch.float32 or sumsq.numel() != 1:
         raise ValueError("apply_update: sumsq must be a one-element fp32 tensor")
+    on_device = isinstance(beta, torch.Tensor)
+    if on_device and not (isinstance(alpha, torch.Tensor) and beta.dtype == alpha.dtype == torch.float32
+                          and beta.numel() == alpha.numel() == 1):
+        raise ValueError("apply_update: beta and alpha must both be numbers or both one-element fp32 tensors")
     _apply_kernel[_grid(param)](
         param, update, sumsq, param.shape[1], param.shape[2], *param.stride(), *update.stride(),
-        float(beta), float(alpha), BR=BR, BC=BC, ROW_TILES=ROW_TILES, num_warps=4,
+        beta if on_device else float(beta), alpha if on_device else float(alpha), SCALARS_ON_DEVICE=on_device,
+        BR=BR, BC=BC, ROW_TILES=ROW_TILES, num_warps=4,
     )

@@ -91,6 +91,9 @@ def _cfg(**sections) -> K3Config:
     ({"precision": {"params": "bf16"}, "train": {"device": "cpu"}}, 1, "precision.params=bf16"),  # auto: fp32
     ({"precision": {"params": "fp32", "dtype": "bf16"}, "train": {"device": "cpu"}}, 1, "precision.params=fp32"),
     ({"train": {"recompute": "selective"}}, 1, "train.recompute='selective': use one of none, attn_res, kda, full"),
+    ({"train": {"optimizer_cuda_graph": True, "device": "cpu"}}, 1, "train.optimizer_cuda_graph=true"),
+    ({"train": {"optimizer_cuda_graph": True, "device": "cuda"}, "optim": {"name": "adamw"}}, 1, "optim.name=adamw"),
+    ({"train": {"optimizer_cuda_graph": True, "device": "cuda"}, "optim": {"name": "muon"}}, 2, "world size 2"),
 ])
 def test_validation_names_the_field(sections, world, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

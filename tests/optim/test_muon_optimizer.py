@@ -263,3 +263,39 @@ def test_batching_choices_do_not_change_results():
     ms[2].set_grads(1)
     o.step()
     assert torch.isfinite(ms[2].q).all() and not torch.equal(ms[2].q, ms[0].q)
+
+
+def test_learning_rates_read_from_the_device_follow_the_schedule():
+    """lr_on_device (what a step captured in a CUDA graph needs) takes the same steps as the float learning
+    rates while the schedule changes them, Muon and AdamW groups alike, weight decay on; and it refuses a
+    step before sync_device_lr()."""
+    a, b = StandInModel(seed=3), StandInModel(seed=3)
+    oa = build_muon(a.named_parameters(), {"lr": 0.02, "weight_decay": 0.1})
+    ob = build_muon(b.named_parameters(), {"lr": 0.02, "weight_decay": 0.1})
+    ob.lr_on_device = True
+    with pytest.raises(RuntimeError, match="sync_device_lr"):
+        ob.step()
+    start = [p.detach().clone() for p in b.parameters()]
+    for s, lr in ((1, 0.02), (2, 0.01), (3, 0.004)):
+        for o in (oa, ob):
+            for g in o.param_groups:
+                g["lr"] = lr if g["optimizer"] == "muon" else lr / 3
+        ob.sync_device_lr()
+        a.set_grads(s)
+        b.set_grads(s)
+        oa.step()
+        ob.step()
+    for (n, p), (_, q), p0 in zip(a.named_parameters(), b.named_parameters(), start):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=n)
+        assert not torch.equal(q, p0), n  # every parameter moved
+
+
+def test_captured_step_needs_k3muon():
+    from k3train.training.optimizer_graph import CapturedOptimizerStep
+
+    m = StandInModel()
+    with pytest.raises(TypeError, match="K3Muon"):
+        CapturedOptimizerStep(torch.optim.AdamW(m.parameters()))
+    o = build_muon(m.named_parameters(), {"lr": 0.01})
+    CapturedOptimizerStep(o)
+    assert o.lr_on_device and not o.check_finite

@@ -81,3 +81,22 @@ def test_k3muon_steps_equal_with_triton_and_torch_passes():
             torch.testing.assert_close(opts[0].state[p]["momentum_buffer"], opts[1].state[q]["momentum_buffer"])
     r0, r1 = (float(o.last_step_info["update_rms"]) for o in opts)
     assert abs(r0 - r1) < tol * r1 and 0.1 < r0 < 0.3, (r0, r1)
+
+
+@triton_here
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_apply_update_takes_device_scalars(backend):
+    """beta and alpha as 0-d fp32 tensors (a captured step's learning rate) give the numbers' result."""
+    g = torch.Generator().manual_seed(4)
+    p = torch.randn(2, 40, 70, generator=g).to(DEV)
+    upd = _pair((2, 40, 70), True, torch.bfloat16, 5)[1]
+    got, want = p.clone(), p.clone()
+    sums = [torch.zeros((), device=DEV) for _ in range(2)]
+    lr = torch.tensor(0.03, device=DEV)
+    apply_update(got, upd, 1.0 - lr * 0.1, -lr, sums[0], backend=backend)
+    apply_update(want, upd, 1.0 - 0.03 * 0.1, -0.03, sums[1], backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(got, p)
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="both"):
+        apply_update(got, upd, 1.0 - lr * 0.1, -0.03, sums[0], backend="triton")
