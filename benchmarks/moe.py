@@ -16,6 +16,8 @@ replays captured in a CUDA graph (GPU time without the host's autograd and launc
 train.compile_mode=reduce-overhead; each row's JSON says how it was timed).
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
 * grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm).
+* fused (``--impls …,fused``): the dispatcher's sort, then ``kernels.moe_experts.routed_experts_fused``
+  (the gather and SiTU inside Triton grouped GEMMs, the rest torch._grouped_mm), then the combine.
 * megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
   unfused path): TEGroupedMLP where Transformer Engine imports, else GroupedMLP where the
   ``grouped_gemm`` package imports, else SequentialMLP (a ColumnParallelLinear/RowParallelLinear
@@ -26,7 +28,7 @@ Routing: natural = K3's sigmoid top-k router on N(0, 1) inputs of width --router
 N(0, 0.02) router weights; skewed = k distinct experts per token drawn with probability
 proportional to a Dirichlet(0.3) expert popularity.
 FLOPs per forward 2*M*l*2I + 2*M*I*l with M = N*k, fwd+bwd = 3x; "of dense" = dense ms / row ms.
-Before timing, grouped is checked against loop (output and gradients of z, weights, w13, w2;
+Before timing, grouped (and fused) is checked against loop (output and gradients of z, weights, w13, w2;
 relative Frobenius error <= 2e-2, asserted), and megatron against loop on megatron's weights
 with SiTU's beta, beta_lin -> infinity (= SwiGLU); a megatron row over the limit is reported n/a.
 """
@@ -52,7 +54,10 @@ from k3train.model.moe import RoutedExperts  # noqa: E402
 from k3train.model.router import SigmoidRouter  # noqa: E402
 from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
-from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+from k3train.parallel.token_dispatcher import (LocalTokenDispatcher, counts_of_sorted,  # noqa: E402
+                                               inverse_permutation, stable_sort)
+from kernels.moe_experts import routed_experts_fused  # noqa: E402
+from kernels.moe_permute import combine_rows  # noqa: E402
 from op_timing import graph_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -299,10 +304,20 @@ def main(argv=None):
                 xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts)
                 return dispatcher.combine(routed(xg, tokens_per_expert), w, handle)
 
-            checks[kind] = {"grouped": compare(out_and_grads(grouped, leaves, dout),
-                                               out_and_grads(loop, leaves, dout))}
-            print(f"check {kind} grouped vs loop: {checks[kind]['grouped']}", flush=True)
-            assert max(checks[kind]["grouped"].values()) <= CHECK_LIMIT, checks[kind]
+            def fused():
+                sorted_experts, order = stable_sort(experts.flatten(), E)
+                inverse = inverse_permutation(order)
+                offsets = counts_of_sorted(sorted_experts, E).cumsum(0).to(torch.int32)
+                y = routed_experts_fused(z, order, inverse, k, offsets, routed.w13, routed.w2, routed.beta,
+                                         routed.linear_beta)
+                return combine_rows(y, w, order, inverse)
+
+            paths = {"grouped": grouped, **({"fused": fused} if "fused" in impls else {})}
+            want = out_and_grads(loop, leaves, dout)
+            checks[kind] = {name: compare(out_and_grads(fn, leaves, dout), want) for name, fn in paths.items()}
+            for name in paths:
+                print(f"check {kind} {name} vs loop: {checks[kind][name]}", flush=True)
+                assert max(checks[kind][name].values()) <= CHECK_LIMIT, checks[kind]
             megatron, reason = None, info["megatron"].get("error")
             if mcore is not None:
                 try:
@@ -317,7 +332,8 @@ def main(argv=None):
                     reason = failure(e)
             if "loop" in impls:
                 timed(kind, "loop", loop, leaves, dout)
-            timed(kind, "grouped", grouped, leaves, dout)
+            for name, fn in paths.items():
+                timed(kind, name, fn, leaves, dout)
             if "megatron" not in impls:
                 pass
             elif megatron is None:

@@ -79,15 +79,32 @@ def _tile(M, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def situ_math(a, c, beta, linear_beta):
+    """SiTU(a, c) of fp32 tiles (also the grouped experts' GEMM epilogue, kernels/moe_experts)."""
+    ta, _ = _tanh_sech2(a / beta)
+    tc, _ = _tanh_sech2(c / linear_beta)
+    sa, _ = _sigmoid_pair(a)
+    return beta * ta * sa * (linear_beta * tc)
+
+
+@triton.jit
+def situ_grad_math(a, c, go, beta, linear_beta):
+    """(dgate, dup) of fp32 tiles from gate a, up c and the output's gradient go."""
+    ta, sech2_a = _tanh_sech2(a / beta)
+    tc, sech2_c = _tanh_sech2(c / linear_beta)
+    sa, sna = _sigmoid_pair(a)
+    g = beta * ta * sa
+    dg = sa * (sech2_a + beta * ta * sna)
+    return go * (linear_beta * tc) * dg, go * g * sech2_c
+
+
+@triton.jit
 def _situ_fwd_kernel(G, U, O, M, I, stride_g, stride_u, stride_o, beta, linear_beta,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows, cols, mask = _tile(M, I, BLOCK_M, BLOCK_N)
     a = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    ta, _ = _tanh_sech2(a / beta)
-    tc, _ = _tanh_sech2(c / linear_beta)
-    sa, _ = _sigmoid_pair(a)
-    out = beta * ta * sa * (linear_beta * tc)
+    out = situ_math(a, c, beta, linear_beta)
     tl.store(O + rows * stride_o + cols, out.to(O.dtype.element_ty), mask=mask)
 
 
@@ -99,13 +116,7 @@ def _situ_bwd_kernel(G, U, DO, DG, DU, M, I, stride_g, stride_u, stride_do, stri
     a = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     go = tl.load(DO + rows * stride_do + cols, mask=mask, other=0.0).to(tl.float32)
-    ta, sech2_a = _tanh_sech2(a / beta)
-    tc, sech2_c = _tanh_sech2(c / linear_beta)
-    sa, sna = _sigmoid_pair(a)
-    g = beta * ta * sa
-    dg = sa * (sech2_a + beta * ta * sna)
-    dgate = go * (linear_beta * tc) * dg
-    dup = go * g * sech2_c
+    dgate, dup = situ_grad_math(a, c, go, beta, linear_beta)
     tl.store(DG + rows * stride_dg + cols, dgate.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + rows * stride_du + cols, dup.to(DU.dtype.element_ty), mask=mask)
 
