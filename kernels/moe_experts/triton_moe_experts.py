@@ -26,16 +26,18 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..situ.triton_situ import situ_grad_math, situ_math
 
-# Untuned. Offline sm_90 compiles (Triton 3.9): forward 147 registers, no spills; the backward's SiTU epilogue
-# spills at 128 × 64 with 8 warps (255 registers), not at 64 × 64 (110).
+# Untuned. Offline sm_90 compiles (Triton 3.9): forward 159 registers, no spills; the backward's SiTU epilogue
+# spills at 128 × 64 with 8 warps (255 registers), not at 64 × 64 (111).
 GPU_TILES_FWD = dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3)
 GPU_TILES_BWD = dict(BM=64, BN=64, BK=64, num_warps=8, num_stages=3)
 INTERPRET_TILES = dict(BM=16, BN=16, BK=16)
 
 
 @triton.jit
-def _expert_tile(ROW_START, TILE_START, E, N_COL, BM: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """(expert, its end row, this program's first row, its column tile); expert = -1 past the last tile."""
+def _expert_tile(ROW_START, TILE_START, E, N_COL, I, SEARCH_STEPS: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr):
+    """(expert, rows [BM], row mask, columns [BN] of I, column mask) of this program; expert = -1 past
+    the last row tile."""
     pid = tl.program_id(0) // N_COL
     lo = 0
     hi = E
@@ -45,22 +47,19 @@ def _expert_tile(ROW_START, TILE_START, E, N_COL, BM: tl.constexpr, SEARCH_STEPS
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     e = tl.where(pid < tl.load(TILE_START + E), lo, -1)
-    first = tl.load(ROW_START + lo) + (pid - tl.load(TILE_START + lo)) * BM
-    return e, tl.load(ROW_START + lo + 1), first, tl.program_id(0) % N_COL
+    rows = tl.load(ROW_START + lo) + (pid - tl.load(TILE_START + lo)) * BM + tl.arange(0, BM)
+    cols = (tl.program_id(0) % N_COL) * BN + tl.arange(0, BN)
+    return e, rows, rows < tl.load(ROW_START + lo + 1), cols, cols < I
 
 
 @triton.jit
 def _w13_situ_fwd_kernel(Z, ORDER, ROW_START, TILE_START, W13, GU, H, E, N_COL, L, I, TOP_K,
                          s_we, s_wn, s_wl, beta, linear_beta, DOT_FP32: tl.constexpr,
                          SEARCH_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, end, r0, col_tile = _expert_tile(ROW_START, TILE_START, E, N_COL, BM, SEARCH_STEPS)
+    e, rows, rmask, cols, cmask = _expert_tile(ROW_START, TILE_START, E, N_COL, I, SEARCH_STEPS, BM, BN)
     if e < 0:
         return
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < end
     token = (tl.load(ORDER + rows, mask=rmask, other=0) // TOP_K).to(tl.int64)
-    cols = col_tile * BN + tl.arange(0, BN)
-    cmask = cols < I
     wg = W13 + e.to(tl.int64) * s_we + cols[None, :] * s_wn  # gate rows of W13[e], as [BK, BN] tiles
     wu = wg + I * s_wn  # up rows
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
@@ -90,14 +89,10 @@ def _w13_situ_fwd_kernel(Z, ORDER, ROW_START, TILE_START, W13, GU, H, E, N_COL, 
 def _w2_dgrad_situ_bwd_kernel(DY, W2, GU, DGU, ROW_START, TILE_START, E, N_COL, L, I,
                               s_we, s_wl, s_wi, beta, linear_beta, DOT_FP32: tl.constexpr,
                               SEARCH_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, end, r0, col_tile = _expert_tile(ROW_START, TILE_START, E, N_COL, BM, SEARCH_STEPS)
+    e, rows, rmask, cols, cmask = _expert_tile(ROW_START, TILE_START, E, N_COL, I, SEARCH_STEPS, BM, BN)
     if e < 0:
         return
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < end
     rows64 = rows.to(tl.int64)
-    cols = col_tile * BN + tl.arange(0, BN)
-    cmask = cols < I
     w = W2 + e.to(tl.int64) * s_we + cols[None, :] * s_wi  # W2[e] [ℓ, I] as [BK, BN] tiles
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for l0 in range(0, L, BK):
