@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from k3train.model.roles import Kind, ParamRole  # noqa: E402
-from k3train.optim.muon import NS_CALL_OVERHEAD, _Bucket, assign_blocks, build_muon, ns_backend  # noqa: E402
+from k3train.optim.muon import NS_CALL_OVERHEAD, _Bucket, assign_blocks, build_muon, ns_backend, ns_flops  # noqa: E402
 from k3train.optim.newton_schulz import NS_COEFFS, default_ns_dtype, muon_update_scale, newton_schulz  # noqa: E402
 from k3train.optim.param_groups import muon_spec, split_params  # noqa: E402
 
@@ -161,10 +161,6 @@ def cuda_time_steps(step, steps, warmup) -> list[float]:
 def _no_ns(G, steps=5, scale=1.0, dtype=None, **_):
     """Stand-in for NS that only casts: the step time minus NS work (overhead breakdown)."""
     return (G * scale).to(dtype or torch.bfloat16)
-
-
-def ns_flops(n_blocks, m, n, steps=5) -> float:
-    return n_blocks * steps * (4.0 * m * m * n + 2.0 * m ** 3)
 
 
 def main() -> int:
@@ -316,7 +312,8 @@ def main() -> int:
                 out_b = newton_schulz(G, scale=sc)
                 rel = float((out_t.float() - out_b.float()).norm() / out_b.float().norm())
                 t_tr = do_bench(lambda: kernel(G, scale=sc), warmup=10, rep=40, return_mode="median")
-                row.update(triton_kernel="fused" if m <= 128 else "tiled", triton_ms=t_tr, triton_tflops=ns_flops(nb, m, n) / t_tr / 1e9, rel_diff_vs_bmm=rel)
+                row.update(triton_kernel="fused" if m <= 128 else "tiled", triton_ms=t_tr,
+                           triton_tflops=ns_flops(nb, m, n) / t_tr / 1e9, rel_diff_vs_bmm=rel)
                 line += f" {t_tr:10.3f} {row['triton_tflops']:6.0f} {rel:9.2e}"
                 best = min(best, t_tr)
             except Exception as exc:  # noqa: BLE001

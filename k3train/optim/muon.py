@@ -689,18 +689,17 @@ def _newton_schulz_inductor(G: torch.Tensor, **kw) -> torch.Tensor:
 TILED_NS_MIN_FLOPS = 0.5e12
 
 
-def _ns_flops(G: torch.Tensor, steps: int) -> float:
-    m, n = sorted(G.shape[-2:])
-    blocks = G.shape[0] if G.ndim == 3 else 1
-    return blocks * steps * (4.0 * m * m * n + 2.0 * m ** 3)
+def ns_flops(num_blocks: int, m: int, n: int, steps: int = NS_STEPS) -> float:
+    """Newton–Schulz FLOPs of ``num_blocks`` wide [m, n] blocks (m ≤ n): per step XXᵀ, A² and BX."""
+    return num_blocks * steps * (4.0 * m * m * n + 2.0 * m ** 3)
 
 
 def _newton_schulz_tiled(G: torch.Tensor, **kw) -> torch.Tensor:
+    if min(G.shape[-2:]) <= 128:
+        return _newton_schulz_auto(G, **kw)
     from kernels.newton_schulz.triton_tiled_ns import newton_schulz_tiled, tiled_supports  # noqa: PLC0415
 
-    if min(G.shape[-2:]) <= 128 or not tiled_supports(G):
-        return _newton_schulz_auto(G, **kw)
-    return newton_schulz_tiled(G, **kw)
+    return newton_schulz_tiled(G, **kw) if tiled_supports(G) else newton_schulz(G, **kw)
 
 
 def _newton_schulz_auto(G: torch.Tensor, **kw) -> torch.Tensor:
@@ -714,6 +713,7 @@ def _newton_schulz_auto(G: torch.Tensor, **kw) -> torch.Tensor:
         fn = _TRITON_NS[0]
         if fn is not None and min(G.shape[-2:]) <= 128:
             return fn(G, **kw)
-        if fn is not None and _ns_flops(G, kw.get("steps", NS_STEPS)) >= TILED_NS_MIN_FLOPS:
+        blocks, (m, n) = (G.shape[0] if G.ndim == 3 else 1), sorted(G.shape[-2:])
+        if fn is not None and ns_flops(blocks, m, n, kw.get("steps", NS_STEPS)) >= TILED_NS_MIN_FLOPS:
             return _newton_schulz_tiled(G, **kw)
     return newton_schulz(G, **kw)
