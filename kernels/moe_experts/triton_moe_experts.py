@@ -14,7 +14,8 @@ exit).
 * ``w2_dgrad_situ_backward``: dh = dy @ W2[e] [M, I] in fp32, then in the epilogue the SiTU backward
   against the saved gu: writes dgu [M, 2I] (dh itself never goes to memory).
 
-Dots take bf16 operands (fp32 accumulate) on the GPU, fp32 in Triton's interpreter (DESIGN.md §7).
+Dots take bf16 operands (fp32 accumulate) on the GPU, or fp32 ones at full precision (not TF32); fp32 in
+Triton's interpreter (DESIGN.md §7).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _expert_tile(ROW_START, TILE_START, E, N_COL, I, SEARCH_STEPS: tl.constexpr,
 
 @triton.jit
 def _w13_situ_fwd_kernel(Z, ORDER, ROW_START, TILE_START, W13, GU, H, E, N_COL, L, I, TOP_K,
-                         s_we, s_wn, s_wl, beta, linear_beta, DOT_FP32: tl.constexpr,
+                         s_we, s_wn, s_wl, beta, linear_beta, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
                          SEARCH_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e, rows, rmask, cols, cmask = _expert_tile(ROW_START, TILE_START, E, N_COL, I, SEARCH_STEPS, BM, BN)
     if e < 0:
@@ -73,8 +74,8 @@ def _w13_situ_fwd_kernel(Z, ORDER, ROW_START, TILE_START, W13, GU, H, E, N_COL, 
         bu = tl.load(wu + ls[:, None] * s_wl, mask=bmask, other=0.0)
         if DOT_FP32:
             a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
-        acc_g = tl.dot(a, bg, acc_g)
-        acc_u = tl.dot(a, bu, acc_u)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
     mask = rmask[:, None] & cmask[None, :]
     gate = acc_g.to(GU.dtype.element_ty)
     up = acc_u.to(GU.dtype.element_ty)
@@ -87,7 +88,7 @@ def _w13_situ_fwd_kernel(Z, ORDER, ROW_START, TILE_START, W13, GU, H, E, N_COL, 
 
 @triton.jit
 def _w2_dgrad_situ_bwd_kernel(DY, W2, GU, DGU, ROW_START, TILE_START, E, N_COL, L, I,
-                              s_we, s_wl, s_wi, beta, linear_beta, DOT_FP32: tl.constexpr,
+                              s_we, s_wl, s_wi, beta, linear_beta, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
                               SEARCH_STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e, rows, rmask, cols, cmask = _expert_tile(ROW_START, TILE_START, E, N_COL, I, SEARCH_STEPS, BM, BN)
     if e < 0:
@@ -102,7 +103,7 @@ def _w2_dgrad_situ_bwd_kernel(DY, W2, GU, DGU, ROW_START, TILE_START, E, N_COL, 
         b = tl.load(w + ls[:, None] * s_wl, mask=lmask[:, None] & cmask[None, :], other=0.0)
         if DOT_FP32:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     mask = rmask[:, None] & cmask[None, :]
     gu_row = GU + rows64[:, None] * (2 * I) + cols[None, :]
     gate = tl.load(gu_row, mask=mask, other=0.0).to(tl.float32)
@@ -129,13 +130,16 @@ def _schedule(offsets: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tenso
     return row_start, tile_start, max(1, (E - 1).bit_length())
 
 
-def _tiles(t: torch.Tensor, gpu_tiles: dict) -> tuple[dict, dict, bool]:
-    """(block sizes, launch options, fp32 dots) for t's device."""
+def _tiles(t: torch.Tensor, gpu_tiles: dict) -> tuple[dict, dict]:
+    """(block sizes, launch options with the dots' constexprs) for t's device and dtype: fp32 dots in
+    the interpreter; on the GPU bf16 operands, or fp32 ones multiplied in full precision (not TF32)."""
+    precision = "ieee" if t.dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit operands
     if t.is_cuda:
         tiles = dict(gpu_tiles)
-        return {k: tiles.pop(k) for k in ("BM", "BN", "BK")}, tiles, False
+        blocks = {k: tiles.pop(k) for k in ("BM", "BN", "BK")}
+        return blocks, dict(tiles, DOT_FP32=False, PRECISION=precision)
     if interpreter_active():
-        return dict(INTERPRET_TILES), {}, True
+        return dict(INTERPRET_TILES), dict(DOT_FP32=True, PRECISION="ieee")
     raise RuntimeError("the Triton MoE expert kernels got a CPU tensor, but Triton's interpreter is off: set "
                        "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
 
@@ -156,11 +160,11 @@ def w13_situ_forward(z: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor
     h = torch.empty(M, I, dtype=z.dtype, device=z.device)
     if M == 0:
         return gu, h
-    blocks, opts, dot_fp32 = _tiles(z, GPU_TILES_FWD)
+    blocks, opts = _tiles(z, GPU_TILES_FWD)
     row_start, tile_start, steps = _schedule(offsets, blocks["BM"])
     programs, n_col = _grid(M, E, I, blocks)
     _w13_situ_fwd_kernel[(programs,)](z, order, row_start, tile_start, w13, gu, h, E, n_col, L, I, top_k,
-                                      *w13.stride(), float(beta), float(linear_beta), DOT_FP32=dot_fp32,
+                                      *w13.stride(), float(beta), float(linear_beta),
                                       SEARCH_STEPS=steps, **blocks, **opts)
     return gu, h
 
@@ -172,10 +176,10 @@ def w2_dgrad_situ_backward(dy: torch.Tensor, w2: torch.Tensor, gu: torch.Tensor,
     dgu = torch.empty_like(gu)
     if M == 0:
         return dgu
-    blocks, opts, dot_fp32 = _tiles(dy, GPU_TILES_BWD)
+    blocks, opts = _tiles(dy, GPU_TILES_BWD)
     row_start, tile_start, steps = _schedule(offsets, blocks["BM"])
     programs, n_col = _grid(M, E, I, blocks)
     _w2_dgrad_situ_bwd_kernel[(programs,)](dy, w2, gu, dgu, row_start, tile_start, E, n_col, L, I,
-                                           *w2.stride(), float(beta), float(linear_beta), DOT_FP32=dot_fp32,
+                                           *w2.stride(), float(beta), float(linear_beta),
                                            SEARCH_STEPS=steps, **blocks, **opts)
     return dgu
