@@ -9,7 +9,8 @@ shapes and roles are K3_SPEC.md §5's bench-1B column, laid out as ``k3train.mod
 
 Prints, then writes as JSON:
 1. optimizer step time (median over ``--steps`` timed steps after ``--warmup``) for torch fused
-   AdamW and per-head Muon (default; with the torch elementwise passes; with bmm NS only; with the
+   AdamW and per-head Muon (default; its step captured in a CUDA graph and replayed, as the trainer
+   runs it on one GPU; with the torch elementwise passes; with bmm NS only; with the
    tiled Triton NS; with inductor's NS under ``--inductor``; with NS replaced by a cast) and
    whole-matrix Muon, each as a multiple of fused AdamW in the same
    run, with the step's floor: its bytes at fused AdamW's bandwidth plus its NS FLOPs at the
@@ -42,6 +43,7 @@ from k3train.model.roles import Kind, ParamRole  # noqa: E402
 from k3train.optim.muon import NS_CALL_OVERHEAD, _Bucket, assign_blocks, build_muon, ns_backend, ns_flops  # noqa: E402
 from k3train.optim.newton_schulz import NS_COEFFS, default_ns_dtype, muon_update_scale, newton_schulz  # noqa: E402
 from k3train.optim.param_groups import muon_spec, split_params  # noqa: E402
+from k3train.training.optimizer_graph import CapturedOptimizerStep  # noqa: E402
 
 M, EMB, HEAD, NORM, PQ, GATE, CONV, EXP = (Kind.MATRIX, Kind.EMBEDDING, Kind.LM_HEAD, Kind.NORM,
                                            Kind.PSEUDO_QUERY, Kind.GATE_PARAM, Kind.CONV, Kind.EXPERT_MATRIX)
@@ -223,14 +225,19 @@ def main() -> int:
     # ---- 1. full optimizer steps ---------------------------------------------------
     rows = []
 
-    def bench(label, make):
+    def bench(label, make, captured=False):
+        """Times make()'s step; ``captured``: through the trainer's CUDA-graph replay of it
+        (train.optimizer_cuda_graph: two eager steps, then the captured one; K3Muon's own
+        non-finite check off, as in the trainer, whose guard checks before the step)."""
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
         try:
             opt = make()
-            times = cuda_time_steps(opt.step, args.steps, args.warmup)
+            step = CapturedOptimizerStep(opt) if captured else opt.step
+            warmup = max(args.warmup, step.eager_steps + 1) if captured else args.warmup  # the capture in it
+            times = cuda_time_steps(step, args.steps, warmup)
         except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
             print(f"{label}: FAILED {exc!r}", flush=True)
             rows.append({"variant": label, "error": repr(exc)})
@@ -263,6 +270,7 @@ def main() -> int:
           lambda: build_muon(named, cfg_ph, ns_fn=ns_auto, elementwise_backend="torch"))
     bench("per-head Muon, bmm NS only", lambda: build_muon(named, cfg_ph, ns_fn=newton_schulz))
     if dev.type == "cuda":
+        bench("per-head Muon (default), CUDA graph", lambda: build_muon(named, cfg_ph, ns_fn=ns_auto), captured=True)
         bench("per-head Muon, tiled NS", lambda: build_muon(named, cfg_ph, ns_fn=ns_backend("tiled")))
     if dev.type == "cuda" and args.inductor:  # autotuned GEMMs for the > 128-row blocks (tunes in the warm-up)
         bench("per-head Muon, inductor NS", lambda: build_muon(named, cfg_ph, ns_fn=ns_backend("inductor")))
