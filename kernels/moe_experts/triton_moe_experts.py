@@ -27,9 +27,11 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ..situ.triton_situ import situ_grad_math, situ_math
 
-# Untuned. Offline sm_90 compiles (Triton 3.9): forward 159 registers, no spills; the backward's SiTU epilogue
-# spills at 128 × 64 with 8 warps (255 registers), not at 64 × 64 (111).
-GPU_TILES_FWD = dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3)
+# The fastest of a CUDA-graph-timed sweep at bench-1B MoE dims (one H200, benchmarks/moe_components.py
+# --fused-tiles): forward 0.344 ms (the bare torch._grouped_mm of its product: 0.165), backward 0.401 ms at
+# 8 warps (bare: 0.091; 0.53-0.59 ms at 2-4 warps). Tiles with 128 rows ran the backward at 1.4-1.5 ms (its SiTU
+# epilogue spills).
+GPU_TILES_FWD = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)
 GPU_TILES_BWD = dict(BM=64, BN=64, BK=64, num_warps=8, num_stages=3)
 INTERPRET_TILES = dict(BM=16, BN=16, BK=16)
 
