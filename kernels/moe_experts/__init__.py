@@ -16,8 +16,10 @@ What runs (``triton_moe_experts.py`` for the two fused kernels, ``torch._grouped
 Against the unfused path (``LocalTokenDispatcher.dispatch`` → ``RoutedExperts.forward``) this saves the
 forward gather's copy of the rows and both SiTU passes' round trips of gu and h. Saves z, w13, w2,
 order, inverse, offsets, gu and h. CUDA (bf16 dots), or CPU through Triton's interpreter (fp32 dots);
-not a ``torch.library`` op yet (eager only). Not yet measured on a GPU: ``benchmarks/moe.py --impls
-fused`` times it against the grouped path and the dense ceiling.
+not a ``torch.library`` op (eager only). Measured on one H200 it is slower than the unfused grouped path
+(1.66 against 1.30 ms fwd+bwd at bench-1B dims): its two Triton GEMMs run 2-4x the bare
+``torch._grouped_mm`` of their products (``docs/moe_notes.md`` §2), so it stays a benchmark row
+(``benchmarks/moe.py --impls fused``), not the model's path.
 """
 
 from __future__ import annotations
