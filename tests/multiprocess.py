@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, store: str, fn, args) -> None:

@@ -80,11 +80,12 @@ def _nccl_dp_worker(rank, world):
         assert torch.equal(p, q) or _rel(q, p) < 1e-6, n  # same bf16 kernels on one GPU type
 
 
-def _nccl_entry(rank, world, port):
+def _nccl_entry(rank, world, store):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    # a file rendezvous, as tests/multiprocess.py: a port picked beforehand can be taken before the bind
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
     try:
         _nccl_dp_worker(rank, world)
     finally:
@@ -94,8 +95,10 @@ def _nccl_entry(rank, world, port):
 @pytest.mark.gpu2
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_muon_dp2_nccl_equals_single_rank():
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    from multiprocess import free_port
-
-    mp.start_processes(_nccl_entry, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_nccl_entry, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True,
+                           start_method="spawn")
