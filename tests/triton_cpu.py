@@ -35,6 +35,11 @@ triton_cpu = pytest.mark.skipif(
     not TRITON_HERE,
     reason="Triton interpreter is off in this process (TRITON_INTERPRET=1 was not set before "
            "triton was imported); these run in a subprocess via test_triton_cpu_subprocess")
+# For Triton tests on CPU tensors: they need the interpreter even where a GPU is (CI runs them).
+triton_interpreter = pytest.mark.skipif(
+    not interpreter_active(),
+    reason="Triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1 before triton is imported); "
+           "the CPU test run has it")
 
 
 def rerun_under_interpreter(test_file: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from triton_cpu import rerun_under_interpreter, triton_cpu
+from triton_cpu import rerun_under_interpreter, triton_interpreter
 
 from kernels.attn_res import attn_res_aggregate
 import kernels.kda
@@ -99,7 +99,7 @@ def _cases():
     }
 
 
-@triton_cpu
+@triton_interpreter
 @pytest.mark.parametrize("name", list(_cases()))
 def test_triton_eager_launches_directly_and_compile_holds_the_op(name):
     fn, args, function, op = _cases()[name]
@@ -120,7 +120,7 @@ def test_triton_eager_launches_directly_and_compile_holds_the_op(name):
         torch.testing.assert_close(got, want)
 
 
-@triton_cpu
+@triton_interpreter
 def test_triton_kda_eager_is_the_function_and_the_op_matches_it_with_spare_chunk_slots():
     """KDA eagerly: KDAFunction (exact chunk count, no k3 op). The custom op (chunk buffers sized
     from shapes: 3 chunks in 70 // 32 + 3 = 5 slots, two empty) gives the same output and
