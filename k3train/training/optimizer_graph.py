@@ -24,14 +24,6 @@ from __future__ import annotations
 import torch
 
 
-def captures_optimizer_step(setting: bool | None, device_type: str, optim_name: str, world_size: int) -> bool:
-    """``train.optimizer_cuda_graph`` resolved: an explicit setting (validated at start-up), or (None) on
-    exactly where it applies: K3Muon on one GPU, one rank."""
-    if setting is not None:
-        return setting
-    return device_type == "cuda" and optim_name == "muon" and world_size == 1
-
-
 class CapturedOptimizerStep:
     def __init__(self, optimizer, eager_steps: int = 2):
         if not hasattr(optimizer, "sync_device_lr"):

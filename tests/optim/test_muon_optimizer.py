@@ -300,16 +300,3 @@ def test_captured_step_needs_k3muon():
     CapturedOptimizerStep(o)
     assert o.lr_on_device and not o.check_finite
 
-
-@pytest.mark.parametrize("setting,device,optim,world,want", [
-    (None, "cuda", "muon", 1, True),    # the default: on where it applies
-    (None, "cuda", "muon", 2, False),   # collectives in the step
-    (None, "cuda", "adamw", 1, False),  # device learning rates are K3Muon's
-    (None, "cpu", "muon", 1, False),
-    (False, "cuda", "muon", 1, False),  # an explicit setting wins (true is validated at start-up)
-    (True, "cuda", "muon", 1, True),
-])
-def test_captured_step_default_resolves_where_it_applies(setting, device, optim, world, want):
-    from k3train.training.optimizer_graph import captures_optimizer_step
-
-    assert captures_optimizer_step(setting, device, optim, world) is want
