@@ -6,6 +6,7 @@ The config is validated once, before any process group exists.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -47,6 +48,9 @@ def main(raw: DictConfig) -> None:
     except ConfigError as err:
         sys.exit(f"k3train: config error: {err}")
 
+    # A crash below Python (a segmentation fault in a CUDA library, an abort) prints every thread's Python
+    # stack to stderr, so the log says where the run was.
+    faulthandler.enable(all_threads=True)
     from k3train.parallel.state import destroy_parallel
     from k3train.training.checkpoint import CheckpointError
     from k3train.training.guards import TrainingStopped

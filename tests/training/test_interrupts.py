@@ -7,7 +7,8 @@
 - the resume from the last checkpoint trains the steps the killed run had trained after it with
   bit-identical losses.
 
-And the mechanism behind train.collective_timeout_s: a gloo all-reduce waiting for a hung rank fails.
+And the mechanism behind train.collective_timeout_s: a gloo all-reduce waiting for a hung rank fails; and
+a crash below Python (a segmentation fault) prints the run's Python stacks.
 """
 
 from __future__ import annotations
@@ -126,3 +127,27 @@ def test_collective_timeout_fails_a_wait_for_a_hung_rank(tmp_path):
     mp.spawn(_hang, args=(2, str(tmp_path / "store"), str(tmp_path / "done"), str(timings)), nprocs=2, join=True)
     result = json.loads(timings.read_text())
     assert result["raised"] and result["seconds"] < 8, result  # without the timeout: 20 s, when rank 1 leaves
+
+
+def test_a_crash_below_python_prints_where_the_run_was(tmp_path):
+    """A segmentation fault (here delivered as SIGSEGV once training is under way) prints every thread's
+    Python stack (faulthandler) instead of dying silently with exit 139."""
+    import signal
+    import sys
+
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    with open(tmp_path / "job.log", "w") as log:
+        job = subprocess.Popen([sys.executable, "-m", "k3train.train", *FAST, f"train.out_dir={run}",
+                                "train.steps=100000", "train.log_every=1", "train.save_every=0"],
+                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while not _logged_steps(run):
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.1)
+        job.send_signal(signal.SIGSEGV)
+        status = job.wait(timeout=60)
+    output = (tmp_path / "job.log").read_text()
+    assert status == -signal.SIGSEGV, (status, output[-3000:])
+    assert "Fatal Python error: Segmentation fault" in output, output[-3000:]
+    assert "k3train/training/" in output, output[-3000:]  # the main thread's stack, inside the loop
