@@ -9,7 +9,7 @@ mixer needs so that no information crosses a document boundary:
   parallelism: over this rank's chunk rows, ``pieces``). For compiled layers (``bucket=True``) it is
   padded with empty documents at the end (repeats of B·T) to a power-of-two length, so that the
   graphs see a few lengths over a run, not one per document count (CUDA graph trees record a graph
-  for every length they meet);
+  for every length they meet), and ``one_per_row`` is False even where every row is one document;
 - ``doc_ids`` [B, T]: MLA allows attention only within one document (on CUDA, ``block_mask``: the same
   mask as FlexAttention's block mask, built once per micro-batch by the model).
 
@@ -53,7 +53,9 @@ class Documents:
         doc_ids = flat.long().cumsum(0).view_as(position_ids) - 1
         offsets = flat.nonzero().flatten().to(torch.int32)
         total = torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)
-        one_per_row = bool(offsets.numel() == position_ids.shape[0])
+        # Compiled layers (bucket) take every batch as packed, so that a batch whose rows hold one
+        # document each does not switch them to another graph (a re-compile of every layer).
+        one_per_row = not bucket and bool(offsets.numel() == position_ids.shape[0])
         if bucket:
             total = total.expand(bucketed_length(offsets.numel() + 1) - offsets.numel())
         cu_seqlens = torch.cat([offsets, total])

@@ -109,7 +109,8 @@ class KimiDeltaAttention(nn.Module):
             # One document per row: the rows as they are. Else the batch packed into one row, so that
             # the kernel resets its state at every document start.
             rows, cu_seqlens = (B, None) if docs.one_per_row else (1, docs.cu_seqlens)
-            if cu_seqlens is not None and docs.offsets is not None and not torch.compiler.is_compiling():
+            # compiling is tested first: dynamo then never reads the host offsets (a guard on their count)
+            if not torch.compiler.is_compiling() and cu_seqlens is not None and docs.offsets is not None:
                 known_offsets(cu_seqlens, docs.offsets)  # counted on the host: the kernel's check reads nothing back
 
             def flat(t: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,9 @@ def test_documents_from_position_ids():
     assert padded.cu_seqlens.tolist() == [0, 3, 5, 7] + [10] * 12 and not padded.one_per_row
     assert torch.equal(padded.doc_ids, docs.doc_ids)
     assert [bucketed_length(n) for n in (2, 16, 17, 33)] == [16, 16, 32, 64]
+    whole_rows = torch.arange(5).expand(2, 5)  # compiled layers take one document a row as packed too
+    assert Documents.from_position_ids(whole_rows).one_per_row
+    assert not Documents.from_position_ids(whole_rows, bucket=True).one_per_row
     moved = padded.to(torch.device("cpu"))  # the trainer's path: counted on the host, then moved
     for name in ("position_ids", "doc_ids", "cu_seqlens"):
         assert torch.equal(getattr(moved, name), getattr(padded, name)), name
