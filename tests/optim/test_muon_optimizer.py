@@ -299,4 +299,3 @@ def test_captured_step_needs_k3muon():
     o = build_muon(m.named_parameters(), {"lr": 0.01})
     CapturedOptimizerStep(o)
     assert o.lr_on_device and not o.check_finite
-
