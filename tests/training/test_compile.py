@@ -17,7 +17,7 @@ import gc
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from triton_cpu import rerun_under_interpreter, triton_cpu
+from triton_cpu import rerun_under_interpreter, triton_interpreter
 
 import kernels.kda
 from kernels.backend import triton_on_cpu
@@ -97,7 +97,7 @@ def test_evaluation_runs_the_compiled_layers_eagerly():
     assert counters["stats"]["unique_graphs"] > 0  # the context, not the model, kept the layers eager
 
 
-@triton_cpu
+@triton_interpreter
 def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
     """KDA through its Triton custom op inside a compiled function, on packed documents whose count
     changes (3, then 5; offsets padded with empty documents): one graph, no break, the reference's
@@ -135,7 +135,7 @@ def test_triton_kda_op_compiles_packed_documents_once(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-@triton_cpu
+@triton_interpreter
 def test_triton_compiled_step_keeps_no_tensor_it_allocates():
     """Compiled layers with every Triton path (the interpreter on CPU): after a step, the only new
     tensors alive are the gradients. Under CUDA graphs (train.compile_mode=reduce-overhead) a tensor
@@ -161,7 +161,7 @@ def test_triton_compiled_step_keeps_no_tensor_it_allocates():
     assert not kept, [(tuple(t.shape), t.dtype) for t in kept]
 
 
-@triton_cpu
+@triton_interpreter
 def test_triton_compiled_layers_keep_their_graphs_over_packed_batches():
     """Packed batches of the trainer's kinds, compiled with every Triton path (the interpreter on CPU):
     three documents, one document a row, then 17 documents (cu_seqlens padded to 32 instead of 16). Each
