@@ -11,6 +11,11 @@ differences in the session-11 tile sweep; on CPU host time), the bytes an ideal 
 read, out written; backward: g and S sources read, S gradients written; fp32) as GB/s, and the
 memory autograd holds after the forward beyond the output and the inputs. Before timing, the kernel
 must match the reference (out and dv_0 within 1e-5 of their largest magnitude).
+``--norm`` times the whole site instead: the mix read through its RMSNorm into bf16 (as under autocast),
+the kernels with the norm fused ("fused": ``attn_res_rms_norm``, the mix never stored) against the
+AttnRes kernel followed by the RMSNorm kernel ("two kernels": the fp32 mix written and read back)
+and the torch reference; ideal bytes count y and dy in bf16. ``--bwd-programs`` sweeps the backward's
+programs per SM.
 ``--small`` (64 tokens, d 96) is a dry run that also works on CPU (Triton through its interpreter
 when TRITON_INTERPRET=1).
 """
@@ -26,7 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-from kernels.attn_res import attn_res_aggregate, triton_attn_res  # noqa: E402
+from kernels.attn_res import attn_res_aggregate, attn_res_rms_norm, triton_attn_res  # noqa: E402
+from kernels.rms_norm import rms_norm  # noqa: E402
 from op_timing import graph_ms, held_mib, median_ms  # noqa: E402
 
 
@@ -36,16 +42,34 @@ def gpu_time_ms(fn, device: str, warmup: int, rep: int) -> float:
     return median_ms(fn, device, warmup, rep) if ms is None else ms
 
 
-def measure(S: int, tokens: int, d: int, backend: str, device: str, warmup: int, rep: int) -> dict:
+NORM_EPS = 1e-6
+
+
+def site(backend: str, norm: bool):
+    """The op timed: (sources, w, γ, norm weight) → out; with ``norm``, backend "fused" or "two kernels"
+    (Triton) or "torch"."""
+    if not norm:
+        return lambda sources, w, gain, nw: attn_res_aggregate(sources, w, gain, backend=backend)
+    if backend == "two kernels":
+        return lambda sources, w, gain, nw: rms_norm(attn_res_aggregate(sources, w, gain, backend="triton"), nw,
+                                                     NORM_EPS, torch.bfloat16, backend="triton")
+    kernel = "triton" if backend == "fused" else backend
+    return lambda sources, w, gain, nw: attn_res_rms_norm(sources, w, gain, nw, NORM_EPS, torch.bfloat16,
+                                                          backend=kernel)
+
+
+def measure(S: int, tokens: int, d: int, backend: str, norm: bool, device: str, warmup: int, rep: int) -> dict:
     g = torch.Generator(device=device).manual_seed(S)
     sources = [torch.randn(tokens, d, device=device, generator=g).requires_grad_() for _ in range(S)]
     w = (torch.randn(1, d, device=device, generator=g) * 3 / d**0.5).requires_grad_()
     gain = (torch.rand(d, device=device, generator=g) + 0.5).requires_grad_()
-    go = torch.randn(tokens, d, device=device, generator=g)
-    leaves = [*sources, w, gain]
+    nw = (torch.rand(d, device=device, generator=g) + 0.5).requires_grad_()
+    go = torch.randn(tokens, d, device=device, generator=g, dtype=torch.bfloat16 if norm else torch.float32)
+    leaves = [*sources, w, gain] + ([nw] if norm else [])
+    op = site(backend, norm)
 
     def fwd():
-        return attn_res_aggregate(sources, w, gain, backend=backend)
+        return op(sources, w, gain, nw)
 
     def fwd_bwd():
         torch.autograd.grad(fwd(), leaves, go)
@@ -54,27 +78,30 @@ def measure(S: int, tokens: int, d: int, backend: str, device: str, warmup: int,
     with torch.no_grad():
         t_fwd = gpu_time_ms(fwd, device, warmup, rep)
     t_fb = gpu_time_ms(fwd_bwd, device, warmup, rep)
-    fwd_bytes, bwd_bytes = (S + 1) * tokens * d * 4, (2 * S + 1) * tokens * d * 4
+    out_bytes = 2 if norm else 4
+    fwd_bytes, bwd_bytes = (S * 4 + out_bytes) * tokens * d, (2 * S * 4 + out_bytes) * tokens * d
     return {"S": S, "backend": backend, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
             "fwd_GBps": fwd_bytes / t_fwd / 1e6, "fwd_bwd_GBps": (fwd_bytes + bwd_bytes) / t_fb / 1e6,
             "held_MiB": held}
 
 
-def check(S: int, tokens: int, d: int, device: str) -> None:
-    """The kernel's out and dv_0 against the torch reference, before anything is timed."""
+def check(S: int, tokens: int, d: int, norm: bool, device: str) -> None:
+    """The kernels' out and dv_0 against the torch reference, before anything is timed (with ``norm``:
+    the fused site's bf16 y within two bf16 roundings)."""
     g = torch.Generator(device=device).manual_seed(100 + S)
     sources = [torch.randn(tokens, d, device=device, generator=g) for _ in range(S)]
     w, gain = torch.randn(1, d, device=device, generator=g) * 3 / d**0.5, torch.rand(d, device=device) + 0.5
+    nw = torch.rand(d, device=device) + 0.5
     go = torch.randn(tokens, d, device=device, generator=g)
     res = {}
-    for backend in ("triton", "torch"):
+    for backend in ("fused" if norm else "triton", "torch"):
         leaf = sources[0].clone().requires_grad_()
-        out = attn_res_aggregate([leaf, *sources[1:]], w, gain, backend=backend)
-        (dv0,) = torch.autograd.grad(out, leaf, go)
-        res[backend] = (out.detach(), dv0)
-    for name, k, t in zip(("out", "dv0"), res["triton"], res["torch"]):
+        out = site(backend, norm)([leaf, *sources[1:]], w, gain, nw)
+        (dv0,) = torch.autograd.grad(out, leaf, go.to(out.dtype))
+        res[backend != "torch"] = (out.detach().float(), dv0)
+    for name, k, t, tol in zip(("out", "dv0"), res[True], res[False], (2.0**-7 if norm else 1e-5, 1e-5)):
         err = float((k - t).abs().max() / t.abs().max())
-        assert err < 1e-5, f"S={S}: the kernel's {name} is {err:.2g} from the reference"
+        assert err < tol, f"S={S}: the kernel's {name} is {err:.2g} from the reference"
 
 
 def main() -> None:
@@ -88,6 +115,9 @@ def main() -> None:
                    help="GPU tiles to sweep, as tokens x warps per program (e.g. 4x8 8x8 8x4), each for both "
                         "kernels; default: the kernels' own per-S choice (kernels/attn_res/triton_attn_res.py "
                         "gpu_tile)")
+    p.add_argument("--norm", action="store_true", help="time the site with its RMSNorm: fused, two kernels, torch")
+    p.add_argument("--bwd-programs", type=int, nargs="+", default=[None], metavar="P",
+                   help="backward programs per SM to sweep (default: the kernels' own)")
     p.add_argument("--small", action="store_true", help="64 tokens, d 96, 2 reps: a dry run")
     p.add_argument("--json", default="attn_res_bench.json")
     args = p.parse_args()
@@ -96,27 +126,33 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles] if args.tiles else [None]
     rows = []
+    kernels = ["fused", "two kernels"] if args.norm else ["triton"]
     for S in args.sources:
-        rows.append(measure(S, args.tokens, args.dim, "torch", device, args.warmup, args.rep))
-        for tile in tiles:  # the kernels read the tile at each launch
-            triton_attn_res.GPU_TILE_OVERRIDE = tile
-            check(S, args.tokens, args.dim, device)
-            row = measure(S, args.tokens, args.dim, "triton", device, args.warmup, args.rep)
-            rows.append({**row, "tile": "auto" if tile is None else f"{tile[0]}x{tile[1]}"})
-        triton_attn_res.GPU_TILE_OVERRIDE = None
+        rows.append(measure(S, args.tokens, args.dim, "torch", args.norm, device, args.warmup, args.rep))
+        check(S, args.tokens, args.dim, args.norm, device)
+        for backend in kernels:
+            for tile in tiles:  # the kernels read the tile and the program count at each launch
+                for programs in args.bwd_programs:
+                    triton_attn_res.GPU_TILE_OVERRIDE = tile
+                    triton_attn_res.GPU_BWD_PROGRAMS_OVERRIDE = programs
+                    row = measure(S, args.tokens, args.dim, backend, args.norm, device, args.warmup, args.rep)
+                    label = ("auto" if tile is None else f"{tile[0]}x{tile[1]}") + (f"/{programs}" if programs else "")
+                    rows.append({**row, "tile": label})
+        triton_attn_res.GPU_TILE_OVERRIDE = triton_attn_res.GPU_BWD_PROGRAMS_OVERRIDE = None
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"AttnRes aggregation, {args.tokens} tokens, d={args.dim}, fp32 sources, {name}")
-    print(f"{'S':>2} {'backend':>12} {'fwd ms':>8} {'fwd GB/s':>9} {'f+b ms':>8} {'f+b GB/s':>9} "
+    what = "site (AttnRes + RMSNorm → bf16)" if args.norm else "AttnRes aggregation"
+    print(f"{what}, {args.tokens} tokens, d={args.dim}, fp32 sources, {name}")
+    print(f"{'S':>2} {'backend':>22} {'fwd ms':>8} {'fwd GB/s':>9} {'f+b ms':>8} {'f+b GB/s':>9} "
           f"{'held MiB':>9} {'f+b speedup':>11}")
     for r in rows:
         torch_row = next(x for x in rows if x["S"] == r["S"] and x["backend"] == "torch")
         r["fwd_bwd_speedup_vs_torch"] = torch_row["fwd_bwd_ms"] / r["fwd_bwd_ms"]
         held = "n/a" if r["held_MiB"] is None else f"{r['held_MiB']:.0f}"
         backend = r["backend"] + (f" {r['tile']}" if "tile" in r else "")
-        print(f"{r['S']:>2} {backend:>12} {r['fwd_ms']:>8.3f} {r['fwd_GBps']:>9.0f} {r['fwd_bwd_ms']:>8.3f} "
+        print(f"{r['S']:>2} {backend:>22} {r['fwd_ms']:>8.3f} {r['fwd_GBps']:>9.0f} {r['fwd_bwd_ms']:>8.3f} "
               f"{r['fwd_bwd_GBps']:>9.0f} {held:>9} {r['fwd_bwd_speedup_vs_torch']:>10.2f}x")
     with open(args.json, "w") as f:
-        json.dump({"device": name, "tokens": args.tokens, "dim": args.dim, "torch": torch.__version__,
+        json.dump({"device": name, "tokens": args.tokens, "dim": args.dim, "norm": args.norm, "torch": torch.__version__,
                    "rows": rows}, f, indent=1)
     print(f"wrote {args.json}")
 

@@ -7,10 +7,11 @@ v_i ∈ R^d (the block bank plus the running partial sum) with a softmax over so
 
 w ([1, d], the pseudo-query) starts at 0 so the initial mix is uniform; γ ([d]) is a
 key-norm gain starting at 1. No 1/√d scaling; the weighted sum is over the raw v_i; fp32.
-The op is ``kernels.attn_res.attn_res_aggregate`` (reference, Triton forward/backward).
+The op is ``kernels.attn_res.attn_res_rms_norm`` (reference, Triton forward/backward).
 
 Every site reads its mix through an RMSNorm (x_a = RMSNorm_in(Agg), x_m = RMSNorm_post(Agg),
-h = RMSNorm_final(Agg_out)); the aggregator applies the norm it is given, so that one call is the
+h = RMSNorm_final(Agg_out)); the aggregator applies the norm it is given, fused into the same
+kernels (``kernels.attn_res.attn_res_rms_norm``: Agg is never written), so that one call is the
 whole site, the unit that activation recompute (``train.recompute=attn_res``) replays.
 """
 
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 from k3train.model.roles import Kind, ParamRole, set_role
-from kernels.attn_res import attn_res_aggregate
+from k3train.model.norm import RMSNorm
+from kernels.attn_res import attn_res_rms_norm
 
 
 class AttnResAggregator(nn.Module):
@@ -33,6 +35,7 @@ class AttnResAggregator(nn.Module):
         self.proj = set_role(nn.Parameter(torch.zeros(1, dim)), ParamRole(Kind.PSEUDO_QUERY, keep_fp32=True))
         self.norm = set_role(nn.Parameter(torch.ones(dim)), ParamRole(Kind.NORM, keep_fp32=True))
 
-    def forward(self, sources: list[torch.Tensor], out_norm: nn.Module) -> torch.Tensor:
+    def forward(self, sources: list[torch.Tensor], out_norm: RMSNorm) -> torch.Tensor:
         """S sources [B, T, d] → out_norm(Agg(sources)) [B, T, d]."""
-        return out_norm(attn_res_aggregate(sources, self.proj, self.norm))
+        return attn_res_rms_norm(sources, self.proj, self.norm, out_norm.weight, out_norm.eps,
+                                 out_norm.output_dtype(sources[0]))

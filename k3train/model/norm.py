@@ -22,7 +22,11 @@ class RMSNorm(nn.Module):
         self.autocast_output = autocast_output
         self.weight = set_role(nn.Parameter(torch.ones(dim)), ParamRole(Kind.NORM))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype of y for an input like ``x``."""
         device = x.device.type
         cast = self.autocast_output and torch.is_autocast_enabled(device)
-        return rms_norm(x, self.weight, self.eps, torch.get_autocast_dtype(device) if cast else None)
+        return torch.get_autocast_dtype(device) if cast else x.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.output_dtype(x))

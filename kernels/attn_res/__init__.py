@@ -1,20 +1,26 @@
-"""Block AttnRes aggregation (K3_SPEC.md §2.1) as one fused op with its own backward.
+"""Block AttnRes aggregation (K3_SPEC.md §2.1) as one fused op with its own backward, optionally
+with the RMSNorm that reads the mix fused in.
 
-    out = attn_res_aggregate(sources, query, gain)   # S × [..., d], w (d elements), γ [d] → [..., d]
+    x = attn_res_aggregate(sources, query, gain)                       # S × [..., d], w, γ [d] → [..., d]
+    y = attn_res_rms_norm(sources, query, gain, weight, eps, out_dtype)   # RMSNorm(x)·weight
 
-out = Σ_i softmax_i((w ⊙ γ) · v_i / rms(v_i)) · v_i in fp32, returned in the sources' dtype (math
-and gradients in ``reference.py``). ``backend``:
+x = Σ_i softmax_i((w ⊙ γ) · v_i / rms(v_i)) · v_i in fp32, returned in the sources' dtype (math and
+gradients in ``reference.py``); y = x/√(mean(x²) + eps) ⊙ weight in fp32, stored in ``out_dtype``
+(``kernels.rms_norm``'s math). ``backend``:
 
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise; with more than
   ``MAX_SOURCES`` sources it falls back to ``"torch"`` and warns;
 * ``"triton"``: the kernels of ``triton_attn_res.py``: one launch forward, one backward, sources
   read in place (no stack); saves the sources (alive anyway as bank rows), the per-token r_i and
   a_i ([..., S] fp32), and q̃ = w ⊙ γ; the gradients of w and γ follow from dq̃ by torch autograd.
+  With the norm, x is never stored: the forward writes y alone and the backward rebuilds x from
+  the sources it reads anyway, so a site moves two fewer fp32 [..., d] tensors each way.
   Eagerly an autograd.Function that launches the kernels directly; under ``torch.compile`` a
   ``torch.library`` custom op (``k3::attn_res``, its backward ``k3::attn_res_backward``) with fake
   shapes, so that inductor keeps it inside its graphs (``backend.eager_or_compiled``). On CPU through Triton's
   interpreter (``TRITON_INTERPRET=1`` before triton is imported);
-* ``"torch"``: ``reference.attn_res_forward``, differentiated by torch autograd.
+* ``"torch"``: ``reference.attn_res_forward`` (then ``kernels.rms_norm``'s torch path),
+  differentiated by torch autograd.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..backend import eager_or_compiled, use_triton
+from ..rms_norm import rms_norm
 from . import reference
 from .triton_attn_res import MAX_SOURCES
 
-__all__ = ["MAX_SOURCES", "attn_res_aggregate"]
+__all__ = ["MAX_SOURCES", "attn_res_aggregate", "attn_res_rms_norm"]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -37,85 +44,119 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class _AttnResAggregate(torch.autograd.Function):
+    """(q̃, norm weight or None, norm eps, out dtype or None, *sources) → x or y."""
+
     @staticmethod
-    def forward(ctx, qt, *sources):
+    def forward(ctx, qt, norm_weight, norm_eps, out_dtype, *sources):
         from .triton_attn_res import attn_res_fwd
-        rows = [_rows(v) for v in sources]
-        out, r, a = attn_res_fwd(rows, qt)
-        ctx.save_for_backward(qt, r, a, *sources)
+        out, r, a = attn_res_fwd([_rows(v) for v in sources], qt, norm_weight, norm_eps, out_dtype)
+        ctx.save_for_backward(qt, norm_weight, r, a, *sources)
+        ctx.norm_eps = norm_eps
         return out.view(sources[0].shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         from .triton_attn_res import attn_res_bwd
-        qt, r, a, *sources = ctx.saved_tensors
-        dvs, dqt = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a)
-        return (dqt, *(dv.view(v.shape) for dv, v in zip(dvs, sources)))
+        qt, norm_weight, r, a, *sources = ctx.saved_tensors
+        dvs, dqt, dnw = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a, norm_weight,
+                                     ctx.norm_eps)
+        return (dqt, dnw, None, None, *(dv.view(v.shape) for dv, v in zip(dvs, sources)))
 
 
 # Under torch.compile: the same kernels as custom ops.
 @torch.library.custom_op("k3::attn_res", mutates_args=())
-def _attn_res(qt: torch.Tensor, sources: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton forward: (out [..., d] in the sources' dtype, r and a [M, S] fp32 for backward)."""
+def _attn_res(qt: torch.Tensor, sources: list[torch.Tensor], norm_weight: torch.Tensor | None, norm_eps: float,
+              out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton forward: (x or y [..., d], r and a [M, S] fp32 for backward)."""
     from .triton_attn_res import attn_res_fwd
-    out, r, a = attn_res_fwd([_rows(v) for v in sources], qt)
+    out, r, a = attn_res_fwd([_rows(v) for v in sources], qt, norm_weight, norm_eps, out_dtype)
     return out.view(sources[0].shape), r, a
 
 
 @_attn_res.register_fake
-def _attn_res_fake(qt, sources):
+def _attn_res_fake(qt, sources, norm_weight, norm_eps, out_dtype):
     v0 = sources[0]
     rows = (v0.numel() // v0.shape[-1], len(sources))
-    return v0.new_empty(v0.shape), qt.new_empty(rows), qt.new_empty(rows)
+    return v0.new_empty(v0.shape, dtype=out_dtype or v0.dtype), qt.new_empty(rows), qt.new_empty(rows)
 
 
 @torch.library.custom_op("k3::attn_res_backward", mutates_args=())
 def _attn_res_backward(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.Tensor, r: torch.Tensor,
-                       a: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       a: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq̃, the norm weight's gradient (empty without the norm: a custom op returns tensors), dv_i)."""
     from .triton_attn_res import attn_res_bwd
-    dvs, dqt = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a)
-    return dqt, [dv.view(v.shape) for dv, v in zip(dvs, sources)]
+    dvs, dqt, dnw = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a, norm_weight, norm_eps)
+    return dqt, qt.new_empty(0) if dnw is None else dnw, [dv.view(v.shape) for dv, v in zip(dvs, sources)]
 
 
 @_attn_res_backward.register_fake
-def _attn_res_backward_fake(sources, qt, grad_out, r, a):
-    return torch.empty_like(qt), [v.new_empty(v.shape) for v in sources]
+def _attn_res_backward_fake(sources, qt, grad_out, r, a, norm_weight, norm_eps):
+    dnw = qt.new_empty(0) if norm_weight is None else torch.empty_like(norm_weight)
+    return torch.empty_like(qt), dnw, [v.new_empty(v.shape) for v in sources]
 
 
 def _setup_context(ctx, inputs, output):
-    qt, sources = inputs
+    qt, sources, norm_weight, norm_eps, _ = inputs
     _, r, a = output
-    ctx.save_for_backward(qt, r, a, *sources)
+    ctx.save_for_backward(qt, norm_weight, r, a, *sources)
+    ctx.norm_eps = norm_eps
 
 
 def _backward(ctx, grad_out, _grad_r, _grad_a):
-    qt, r, a, *sources = ctx.saved_tensors
-    return _attn_res_backward(sources, qt, grad_out.contiguous(), r, a)
+    qt, norm_weight, r, a, *sources = ctx.saved_tensors
+    dqt, dnw, dvs = _attn_res_backward(sources, qt, grad_out.contiguous(), r, a, norm_weight, ctx.norm_eps)
+    return dqt, dvs, None if norm_weight is None else dnw, None, None
 
 
 _attn_res.register_autograd(_backward, setup_context=_setup_context)
 
-_aggregate = eager_or_compiled(lambda qt, sources: _AttnResAggregate.apply(qt, *sources),
-                               lambda qt, sources: _attn_res(qt, sources)[0])
+_aggregate = eager_or_compiled(
+    lambda qt, sources, nw, eps, dtype: _AttnResAggregate.apply(qt, nw, eps, dtype, *sources),
+    lambda qt, sources, nw, eps, dtype: _attn_res(qt, sources, nw, eps, dtype)[0])
+
+
+def _triton_sources(sources: list[torch.Tensor], backend: str) -> bool:
+    """Checks the sources; whether the Triton kernels take them."""
+    v0 = sources[0]
+    if any(v.shape != v0.shape or v.dtype != v0.dtype or v.device != v0.device for v in sources):
+        raise ValueError("AttnRes sources need one shape, dtype and device, got "
+                         f"{[(tuple(v.shape), v.dtype, str(v.device)) for v in sources]}")
+    if not use_triton(v0, backend, "AttnRes"):
+        return False
+    if len(sources) <= MAX_SOURCES:
+        return True
+    if backend == "triton":
+        raise ValueError(f"the Triton AttnRes kernels take at most {MAX_SOURCES} sources, got {len(sources)}")
+    warnings.warn(f"AttnRes with {len(sources)} > {MAX_SOURCES} sources: using the torch "
+                  "reference (stacked, slower)", stacklevel=3)
+    return False
+
+
+def _query(query: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """q̃ = w ⊙ γ, fp32 [d]."""
+    return (query.float().view(-1) * gain.float()).contiguous()
 
 
 def attn_res_aggregate(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
                        backend: str = "auto") -> torch.Tensor:
     """Softmax-over-depth mix of ``sources`` (S tensors [..., d] of one shape, dtype and device)
     with pseudo-query ``query`` (d elements, e.g. [1, d]) and gain ``gain`` [d] → [..., d]."""
-    v0 = sources[0]
-    if any(v.shape != v0.shape or v.dtype != v0.dtype or v.device != v0.device for v in sources):
-        raise ValueError("AttnRes sources need one shape, dtype and device, got "
-                         f"{[(tuple(v.shape), v.dtype, str(v.device)) for v in sources]}")
-    if use_triton(v0, backend, "AttnRes"):
-        if len(sources) > MAX_SOURCES:
-            if backend == "triton":
-                raise ValueError(f"the Triton AttnRes kernels take at most {MAX_SOURCES} sources, "
-                                 f"got {len(sources)}")
-            warnings.warn(f"AttnRes with {len(sources)} > {MAX_SOURCES} sources: using the torch "
-                          "reference (stacked, slower)", stacklevel=2)
-        else:
-            qt = (query.float().view(-1) * gain.float()).contiguous()
-            return _aggregate(qt, list(sources))
+    if _triton_sources(sources, backend):
+        return _aggregate(_query(query, gain), list(sources), None, 0.0, None)
     return reference.attn_res_forward(sources, query, gain)
+
+
+def attn_res_rms_norm(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
+                      norm_weight: torch.Tensor, norm_eps: float, out_dtype: torch.dtype | None = None,
+                      backend: str = "auto") -> torch.Tensor:
+    """``rms_norm(attn_res_aggregate(sources, query, gain), norm_weight, norm_eps, out_dtype)`` [..., d]
+    in ``out_dtype`` (default the sources' dtype); on the Triton path, one kernel each way."""
+    d = sources[0].shape[-1]
+    if norm_weight.shape != (d,):
+        raise ValueError(f"the norm weight {tuple(norm_weight.shape)} must be [{d}], the sources' last dim")
+    if _triton_sources(sources, backend):
+        return _aggregate(_query(query, gain), list(sources), norm_weight, float(norm_eps), out_dtype)
+    return rms_norm(reference.attn_res_forward(sources, query, gain), norm_weight, norm_eps, out_dtype,
+                    backend=backend)

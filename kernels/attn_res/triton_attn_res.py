@@ -1,18 +1,25 @@
-"""Triton Block AttnRes aggregation: one forward kernel and one backward kernel.
+"""Triton Block AttnRes aggregation: one forward kernel and one backward kernel, each optionally
+ending in the site's RMSNorm (``NORM``).
 
 The S ≤ MAX_SOURCES sources are separate [M, d] tensors (row-major, M tokens) passed as separate
 pointer arguments V0..V7 with a constexpr S (unused slots repeat V0 and are never read); nothing
-is stacked. A program owns BLOCK_M tokens and walks d in chunks of BLOCK_D twice:
+is stacked. A block of BLOCK_M tokens walks d in chunks of BLOCK_D more than once; every pass after
+the first re-reads rows this program has just read, so mostly from cache.
 
-* forward: pass 1 reads every source once and accumulates Σ v_i² and q̃ · v_i per token, giving
+* forward, pass 1: reads every source once and accumulates Σ v_i² and q̃ · v_i per token, giving
   r_i, l_i = r_i q̃ · v_i and a = softmax(l) ([BLOCK_M, S_PAD] tiles, S_PAD = next power of two);
-  pass 2 re-reads the same rows (just read by this program, so mostly from cache) and writes
-  out = Σ a_i v_i. Saved for the backward: r and a as [M, S] fp32 (8·S bytes a token).
-* backward: pass 1 reads g and every v_i once for c_i = g · v_i and p_i = q̃ · v_i, forming
+  saved for the backward: r and a as [M, S] fp32 (8·S bytes a token). Then x = Σ a_i v_i:
+  written as the output; with ``NORM``, one pass sums x² for n = (mean(x²) + ε_n)^(-1/2) and a
+  last one writes y = x·n ⊙ w_n instead (x itself is never stored).
+* backward: pass 1 reads g = ∂L/∂x and every v_i once for c_i = g · v_i and p_i = q̃ · v_i, forming
   dl_i = a_i (c_i − Σ_j a_j c_j); pass 2 re-reads them and writes
-  dv_i = a_i g + dl_i r_i q̃ − dl_i (r_i³/d) p_i v_i, and this program's part of
-  dq̃ = Σ_tokens Σ_i dl_i r_i v_i into row ``pid`` of a [programs, d] fp32 buffer (summed by the
-  caller: deterministic, no atomics).
+  dv_i = a_i g + dl_i r_i q̃ − dl_i (r_i³/d) p_i v_i and adds Σ_i dl_i r_i v_i to dq̃. With ``NORM``
+  the kernel reads dy = ∂L/∂y instead of g and rebuilds x from the sources in both passes:
+  g = n (w_n ⊙ dy) − n³ (x · (w_n ⊙ dy)/d) x, so c_i = n (w_n ⊙ dy) · v_i − n³ (x · (w_n ⊙ dy)/d) (x · v_i),
+  and dw_n gets Σ_tokens dy ⊙ x n.
+  A fixed number P of programs (a few per SM) each walk every P-th token block and add their part
+  of dq̃ (and dw_n) into their own row of a [P, d] fp32 buffer, summed by the caller:
+  deterministic, no atomics, and a buffer that stays in L2.
 
 Loads are cast to fp32, all math is fp32, stores cast to the output's dtype. On CPU the kernels
 run through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported).
@@ -32,13 +39,17 @@ MAX_SOURCES = 8
 # benchmarks/attn_res.py --tiles at 32768 tokens, d = 1024, fp32 sources on one H200
 # (docs/results/attn_res_tiles_h200_2026-12-01.json): 2 tokens × 4 warps is the fastest forward at every S
 # from 1 to 5; the backward prefers 8 × 4 up to 3 sources, 2 × 4 from 4 on. ``GPU_TILE_OVERRIDE`` (set
-# by the benchmark's sweep) replaces both. The interpreter takes small tiles so tests cover several row
-# blocks, several d chunks and the masked edges.
+# by the benchmark's sweep) replaces both. The backward runs GPU_BWD_PROGRAMS_PER_SM programs an SM
+# (``GPU_BWD_PROGRAMS_OVERRIDE`` for the sweep). The interpreter takes small tiles and few backward
+# programs so tests cover several row blocks a program, several d chunks and the masked edges.
 GPU_FWD_TILE = (2, 4)
 GPU_BWD_TILE_FEW, GPU_BWD_TILE_MANY, GPU_BWD_FEW_SOURCES = (8, 4), (2, 4), 3
 GPU_MAX_BLOCK_D = 512
+GPU_BWD_PROGRAMS_PER_SM = 8
 GPU_TILE_OVERRIDE: tuple[int, int] | None = None
+GPU_BWD_PROGRAMS_OVERRIDE: int | None = None
 INTERPRET_BLOCKS = (4, 64)
+INTERPRET_BWD_PROGRAMS = 2
 
 
 def gpu_tile(S: int, backward: bool) -> tuple[int, int]:
@@ -78,8 +89,22 @@ def _column(x, scol, i: tl.constexpr):
 
 
 @triton.jit
-def _attn_res_fwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, O, R, A, M, D, eps,
-                         S: tl.constexpr, S_PAD: tl.constexpr,
+def _load(V, offs, mask):
+    return tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mix(a, scol, V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S: tl.constexpr):
+    """x = Σ_i a_i v_i over one [BLOCK_M, BLOCK_D] chunk at ``offs``, fp32."""
+    x = _column(a, scol, 0)[:, None] * _load(V0, offs, mask)
+    for i in tl.static_range(1, S):
+        x += _column(a, scol, i)[:, None] * _load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7), offs, mask)
+    return x
+
+
+@triton.jit
+def _attn_res_fwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, NW, O, R, A, M, D, eps, norm_eps,
+                         S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -92,8 +117,7 @@ def _attn_res_fwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, O, R, A, M, D, eps,
         mask = ok2 & (cols[None, :] < D)
         q = tl.load(Q + cols, mask=cols < D, other=0.0)[None, :]
         for i in tl.static_range(S):
-            v = tl.load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7) + rows2 * D + cols[None, :],
-                        mask=mask, other=0.0).to(tl.float32)
+            v = _load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7), rows2 * D + cols[None, :], mask)
             sumsq += tl.where(scol == i, tl.sum(v * v, axis=1)[:, None], 0.0)
             qdot += tl.where(scol == i, tl.sum(v * q, axis=1)[:, None], 0.0)
     r = 1.0 / tl.sqrt(sumsq / D + eps)
@@ -103,62 +127,92 @@ def _attn_res_fwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, O, R, A, M, D, eps,
     smask = ok2 & (scol < S)
     tl.store(R + rows2 * S + scol, r, mask=smask)
     tl.store(A + rows2 * S + scol, a, mask=smask)
+    n = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if NORM:
+        xx = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            x = _mix(a, scol, V0, V1, V2, V3, V4, V5, V6, V7, rows2 * D + cols[None, :], ok2 & (cols[None, :] < D), S)
+            xx += tl.sum(x * x, axis=1)
+        n = 1.0 / tl.sqrt(xx / D + norm_eps)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask = ok2 & (cols[None, :] < D)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(S):
-            v = tl.load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7) + rows2 * D + cols[None, :],
-                        mask=mask, other=0.0).to(tl.float32)
-            acc += _column(a, scol, i)[:, None] * v
-        tl.store(O + rows2 * D + cols[None, :], acc.to(O.dtype.element_ty), mask=mask)
+        y = _mix(a, scol, V0, V1, V2, V3, V4, V5, V6, V7, rows2 * D + cols[None, :], mask, S)
+        if NORM:
+            y = y * n[:, None] * tl.load(NW + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        tl.store(O + rows2 * D + cols[None, :], y.to(O.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _attn_res_bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7,
-                         Q, G, R, A, DQ, M, D,
-                         S: tl.constexpr, S_PAD: tl.constexpr,
+                         Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
+                         S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """G is ∂L/∂x, or ∂L/∂y with NORM; DQ (and DNW) are [programs, D] fp32 buffers of zeros."""
     pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    rows2, ok2 = rows[:, None], row_ok[:, None]
     scol = tl.arange(0, S_PAD)[None, :]
-    smask = ok2 & (scol < S)
-    r = tl.load(R + rows2 * S + scol, mask=smask, other=0.0)
-    a = tl.load(A + rows2 * S + scol, mask=smask, other=0.0)
-    gdot = tl.zeros([BLOCK_M, S_PAD], dtype=tl.float32)
-    qdot = tl.zeros([BLOCK_M, S_PAD], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        mask = ok2 & (cols[None, :] < D)
-        q = tl.load(Q + cols, mask=cols < D, other=0.0)[None, :]
-        g = tl.load(G + rows2 * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        for i in tl.static_range(S):
-            v = tl.load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7) + rows2 * D + cols[None, :],
-                        mask=mask, other=0.0).to(tl.float32)
-            gdot += tl.where(scol == i, tl.sum(v * g, axis=1)[:, None], 0.0)
-            qdot += tl.where(scol == i, tl.sum(v * q, axis=1)[:, None], 0.0)
-    dl = a * (gdot - tl.sum(a * gdot, axis=1)[:, None])
-    coef_q = dl * r  # dv_i = a_i g + coef_q_i q̃ − coef_v_i v_i;  dq̃ += coef_q_i v_i
-    coef_v = coef_q * r * r * qdot / D
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        mask = ok2 & cmask[None, :]
-        offs = rows2 * D + cols[None, :]
-        q = tl.load(Q + cols, mask=cmask, other=0.0)[None, :]
-        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        dq = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(S):
-            v = tl.load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7) + offs, mask=mask,
-                        other=0.0).to(tl.float32)
-            cq = _column(coef_q, scol, i)[:, None]
-            dv = _column(a, scol, i)[:, None] * g + cq * q - _column(coef_v, scol, i)[:, None] * v
-            DVi = _pick(i, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7)
-            tl.store(DVi + offs, dv.to(DVi.dtype.element_ty), mask=mask)
-            dq += tl.sum(cq * v, axis=0)
-        tl.store(DQ + pid.to(tl.int64) * D + cols, dq, mask=cmask)
+    dq_row = DQ + pid.to(tl.int64) * D
+    dnw_row = DNW + pid.to(tl.int64) * D
+    for block in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < M
+        rows2, ok2 = rows[:, None], row_ok[:, None]
+        smask = ok2 & (scol < S)
+        r = tl.load(R + rows2 * S + scol, mask=smask, other=0.0)
+        a = tl.load(A + rows2 * S + scol, mask=smask, other=0.0)
+        gdot = tl.zeros([BLOCK_M, S_PAD], dtype=tl.float32)  # g·v_i, or (w_n ⊙ dy)·v_i with NORM
+        qdot = tl.zeros([BLOCK_M, S_PAD], dtype=tl.float32)
+        xdot = tl.zeros([BLOCK_M, S_PAD], dtype=tl.float32)  # x·v_i (NORM)
+        xx = tl.zeros([BLOCK_M], dtype=tl.float32)
+        xg = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = ok2 & (cols[None, :] < D)
+            offs = rows2 * D + cols[None, :]
+            q = tl.load(Q + cols, mask=cols < D, other=0.0)[None, :]
+            g = _load(G, offs, mask)
+            if NORM:
+                g = g * tl.load(NW + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+                x = _mix(a, scol, V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S)
+                xx += tl.sum(x * x, axis=1)
+                xg += tl.sum(x * g, axis=1)
+            for i in tl.static_range(S):
+                v = _load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7), offs, mask)
+                gdot += tl.where(scol == i, tl.sum(v * g, axis=1)[:, None], 0.0)
+                qdot += tl.where(scol == i, tl.sum(v * q, axis=1)[:, None], 0.0)
+                if NORM:
+                    xdot += tl.where(scol == i, tl.sum(v * x, axis=1)[:, None], 0.0)
+        n = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        k = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:  # g = n (w_n ⊙ dy) − k x
+            n = 1.0 / tl.sqrt(xx / D + norm_eps)
+            k = n * n * n * xg / D
+            gdot = n[:, None] * gdot - k[:, None] * xdot
+        dl = a * (gdot - tl.sum(a * gdot, axis=1)[:, None])
+        coef_q = dl * r  # dv_i = a_i g + coef_q_i q̃ − coef_v_i v_i;  dq̃ += coef_q_i v_i
+        coef_v = coef_q * r * r * qdot / D
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            cmask = cols < D
+            mask = ok2 & cmask[None, :]
+            offs = rows2 * D + cols[None, :]
+            q = tl.load(Q + cols, mask=cmask, other=0.0)[None, :]
+            g = _load(G, offs, mask)
+            if NORM:
+                x = _mix(a, scol, V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S)
+                dnw = tl.sum(g * x * n[:, None], axis=0)
+                tl.store(dnw_row + cols, tl.load(dnw_row + cols, mask=cmask, other=0.0) + dnw, mask=cmask)
+                g = n[:, None] * g * tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] - k[:, None] * x
+            dq = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for i in tl.static_range(S):
+                v = _load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7), offs, mask)
+                cq = _column(coef_q, scol, i)[:, None]
+                dv = _column(a, scol, i)[:, None] * g + cq * q - _column(coef_v, scol, i)[:, None] * v
+                DVi = _pick(i, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7)
+                tl.store(DVi + offs, dv.to(DVi.dtype.element_ty), mask=mask)
+                dq += tl.sum(cq * v, axis=0)
+            tl.store(dq_row + cols, tl.load(dq_row + cols, mask=cmask, other=0.0) + dq, mask=cmask)
 
 
 def interpreter_active() -> bool:
@@ -174,14 +228,17 @@ def _launch(M: int, D: int, S: int, t: torch.Tensor, backward: bool) -> tuple[in
         bm, warps = gpu_tile(S, backward)
         bd = min(GPU_MAX_BLOCK_D, max(16, triton.next_power_of_2(D)))
         opts = {"num_warps": warps}
+        per_sm = GPU_BWD_PROGRAMS_OVERRIDE or GPU_BWD_PROGRAMS_PER_SM
+        max_programs = per_sm * torch.cuda.get_device_properties(t.device).multi_processor_count
     elif interpreter_active():
-        (bm, bd), opts = INTERPRET_BLOCKS, {}
+        (bm, bd), opts, max_programs = INTERPRET_BLOCKS, {}, INTERPRET_BWD_PROGRAMS
     else:
         raise RuntimeError("the Triton AttnRes kernels got a CPU tensor, but Triton's interpreter is "
                            "off: set TRITON_INTERPRET=1 before triton is imported, or use "
                            "backend='torch'")
     meta = {"S": S, "S_PAD": max(2, triton.next_power_of_2(S)), "BLOCK_M": bm, "BLOCK_D": bd, **opts}
-    return triton.cdiv(M, bm), meta
+    blocks = triton.cdiv(M, bm)
+    return (min(blocks, max_programs) if backward else blocks), meta
 
 
 def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -189,31 +246,42 @@ def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(ts) + [ts[0]] * (MAX_SOURCES - len(ts))
 
 
-def attn_res_fwd(sources: list[torch.Tensor], qt: torch.Tensor
+def attn_res_fwd(sources: list[torch.Tensor], qt: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                 norm_eps: float = 0.0, out_dtype: torch.dtype | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sources: S contiguous [M, d] tensors of one dtype; qt: contiguous fp32 [d] (w ⊙ γ)
-    → (out [M, d] in the sources' dtype, r [M, S] fp32, a [M, S] fp32)."""
+    """sources: S contiguous [M, d] tensors of one dtype; qt: contiguous fp32 [d] (w ⊙ γ); with
+    ``norm_weight`` [d], the site's RMSNorm (eps ``norm_eps``) applied to the mix
+    → (out [M, d] in ``out_dtype``, default the sources' dtype; r [M, S] fp32; a [M, S] fp32)."""
     M, D = sources[0].shape
     S, dev = len(sources), sources[0].device
-    out = torch.empty((M, D), dtype=sources[0].dtype, device=dev)
+    out = torch.empty((M, D), dtype=out_dtype or sources[0].dtype, device=dev)
     r = torch.empty((M, S), dtype=torch.float32, device=dev)
     a = torch.empty((M, S), dtype=torch.float32, device=dev)
     if M * D:
         n, meta = _launch(M, D, S, sources[0], backward=False)
-        _attn_res_fwd_kernel[(n,)](*_slots(sources), qt, out, r, a, M, D, RMS_EPS, **meta)
+        nw = qt if norm_weight is None else norm_weight  # any pointer without the norm
+        _attn_res_fwd_kernel[(n,)](*_slots(sources), qt, nw, out, r, a, M, D, RMS_EPS, norm_eps,
+                                   NORM=norm_weight is not None, **meta)
     return out, r, a
 
 
 def attn_res_bwd(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.Tensor,
-                 r: torch.Tensor, a: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Gradients of ``attn_res_fwd``'s out: (dv_i [M, d] in the sources' dtype, dq̃ [d] fp32);
-    grad_out is a contiguous [M, d]."""
+                 r: torch.Tensor, a: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                 norm_eps: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """Gradients of ``attn_res_fwd``'s out (``grad_out``, a contiguous [M, d] in any float dtype):
+    (dv_i [M, d] in the sources' dtype, dq̃ [d] fp32, the norm weight's gradient in its dtype or None)."""
     M, D = sources[0].shape
     dvs = [torch.empty_like(v) for v in sources]
+    zeros = torch.zeros(D, dtype=torch.float32, device=qt.device)
+    dnw = None if norm_weight is None else zeros.to(norm_weight.dtype)
     if M * D == 0:
-        return dvs, torch.zeros(D, dtype=torch.float32, device=qt.device)
+        return dvs, zeros, dnw
     n, meta = _launch(M, D, len(sources), sources[0], backward=True)
-    dq_parts = torch.empty((n, D), dtype=torch.float32, device=qt.device)
-    _attn_res_bwd_kernel[(n,)](*_slots(sources), *_slots(dvs), qt, grad_out, r, a, dq_parts, M, D,
-                               **meta)
-    return dvs, dq_parts.sum(0)
+    dq_parts = torch.zeros((n, D), dtype=torch.float32, device=qt.device)
+    dnw_parts = dq_parts if norm_weight is None else torch.zeros_like(dq_parts)
+    nw = qt if norm_weight is None else norm_weight
+    _attn_res_bwd_kernel[(n,)](*_slots(sources), *_slots(dvs), qt, nw, grad_out, r, a, dq_parts, dnw_parts,
+                               M, D, norm_eps, NORM=norm_weight is not None, **meta)
+    if norm_weight is not None:
+        dnw = dnw_parts.sum(0).to(norm_weight.dtype)
+    return dvs, dq_parts.sum(0), dnw

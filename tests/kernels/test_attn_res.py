@@ -17,8 +17,9 @@ from triton_cpu import rerun_under_interpreter, triton_cpu
 import k3train.model.attn_res as model_attn_res
 from k3train.config.schema import ModelConfig
 from k3train.model.k3 import K3Model
-from kernels.attn_res import MAX_SOURCES, attn_res_aggregate
+from kernels.attn_res import MAX_SOURCES, attn_res_aggregate, attn_res_rms_norm
 from kernels.attn_res import reference as R
+from kernels.rms_norm import reference as rms_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = 4e-6 if DEV == "cuda" else 2e-6  # GPU exp/rsqrt/div are approximate (a few ulp each)
@@ -100,9 +101,11 @@ def test_reference_backward_matches_autograd(S):
 def test_torch_backend_is_the_reference():
     sources, w, gain, _ = random_inputs(4, (3, 7, 16), seed=4, dtype=torch.float32)
     ref = R.attn_res_forward(sources, w, gain)
+    nw = torch.rand(16) + 0.5
     for backend in ("torch", "auto"):
         assert torch.equal(attn_res_aggregate(sources, w, gain, backend=backend), ref)
-    assert torch.equal(model_attn_res.attn_res_aggregate(sources, w, gain), ref)
+        normed = attn_res_rms_norm(sources, w, gain, nw, 1e-6, torch.bfloat16, backend=backend)
+        assert torch.equal(normed, rms_reference.rms_norm(ref, nw, 1e-6, torch.bfloat16))
 
 
 def test_errors():
@@ -118,6 +121,8 @@ def test_errors():
         attn_res_aggregate([x.double()], w, gain, backend="triton")
     with pytest.raises(ValueError, match=f"at most {MAX_SOURCES} sources"):
         attn_res_aggregate([x] * (MAX_SOURCES + 1), w, gain, backend="triton")
+    with pytest.raises(ValueError, match=r"norm weight \(9,\) must be \[8\]"):
+        attn_res_rms_norm([x, x], w, gain, torch.ones(9), 1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +141,35 @@ def test_triton_kernels(S, shape):
     assert type(out.grad_fn).__name__.startswith("_AttnResAggregate")
     assert out.shape == shape
     _check_against_reference(sources, w, gain, go, out, grads)
+
+
+@triton_cpu
+@pytest.mark.parametrize("S, shape, out_dtype", [(1, (1, 7, 96), torch.float32), (3, (2, 3, 1000), torch.bfloat16),
+                                                 (8, (13, 96), torch.float32)])
+def test_triton_kernels_with_the_norm(S, shape, out_dtype):
+    """The site with its RMSNorm fused (y = RMSNorm(Agg)·w_n, Agg never stored) against the float64
+    composition of the two references: y and the gradients of every source, w, γ and w_n."""
+    sources, w, gain, go = random_inputs(S, shape, seed=20 + S)
+    nw = torch.rand(shape[-1], generator=torch.Generator().manual_seed(S), dtype=torch.float64) + 0.5
+    go = go.to(out_dtype).double()  # the kernel gets ∂L/∂y in y's dtype
+
+    def site(sources_and_nw, w, gain, backend, out_dtype):
+        return attn_res_rms_norm(sources_and_nw[:-1], w, gain, sources_and_nw[-1], 1e-6, out_dtype, backend=backend)
+
+    want = _fwd_bwd(functools.partial(site, backend="torch", out_dtype=None), [*sources, nw], w, gain, go)
+    got = _fwd_bwd(functools.partial(site, backend="triton", out_dtype=out_dtype),
+                   _leaves([*sources, nw], dtype=torch.float32), w.float(), gain.float(), go)
+    assert type(got[0].grad_fn).__name__.startswith("_AttnResAggregate")
+    assert got[0].dtype == out_dtype and all(g.dtype == torch.float32 for g in got[1])
+    y_tol = 2.0**-7 if out_dtype == torch.bfloat16 else 4 * RTOL  # one bf16 rounding of y (the interpreter truncates)
+    names = [f"dv[{i}]" for i in range(S)] + ["dw_n", "dw", "dgain"]
+    for name, x, ref in zip(["y", *names], [got[0], *got[1]], [want[0], *want[1]]):
+        scale = float(ref.abs().max())
+        if name in ("dw", "dgain") and S == 1:  # one source: a = 1, the query gets no gradient
+            assert not x.any(), name
+            continue
+        err = float((x.detach().cpu().double() - ref.detach().cpu()).abs().max())
+        assert err <= (y_tol if name == "y" else 10 * RTOL) * scale, f"{name}: max err {err:.3g} of {scale:.3g}"
 
 
 @triton_cpu
@@ -162,11 +196,11 @@ def test_triton_model_equals_reference_path(monkeypatch):
     want, want_grads = loss_and_grads()
     calls = []
 
-    def kernel(sources, query, gain):
+    def kernel(sources, query, gain, norm_weight, norm_eps, out_dtype):
         calls.append(len(sources))
-        return attn_res_aggregate(sources, query, gain, backend="triton")
+        return attn_res_rms_norm(sources, query, gain, norm_weight, norm_eps, out_dtype, backend="triton")
 
-    monkeypatch.setattr(model_attn_res, "attn_res_aggregate", kernel)
+    monkeypatch.setattr(model_attn_res, "attn_res_rms_norm", kernel)
     got, got_grads = loss_and_grads()
     assert len(calls) == 2 * ModelConfig().num_layers + 1 and max(calls) == 4
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -179,10 +213,13 @@ def test_triton_model_equals_reference_path(monkeypatch):
 @triton_cpu
 def test_triton_custom_op_registration():
     """k3::attn_res's schema, fake shapes and autograd registration (what torch.compile relies on)
-    agree with the kernels, here at 3 sources."""
+    agree with the kernels, here at 3 sources, without the norm and with it (bf16 out)."""
     sources, w, gain, _ = random_inputs(3, (2, 5, 96), seed=4)
     qt = (w.view(-1) * gain).float().contiguous().to(DEV)  # on the sources' device
-    torch.library.opcheck(torch.ops.k3.attn_res, (qt.requires_grad_(), _leaves(sources, dtype=torch.float32)))
+    nw = (torch.rand(96) + 0.5).to(DEV)
+    for norm in [(None, 0.0, None), (nw.requires_grad_(), 1e-6, torch.bfloat16)]:
+        torch.library.opcheck(torch.ops.k3.attn_res,
+                              (qt.clone().requires_grad_(), _leaves(sources, dtype=torch.float32), *norm))
 
 
 def test_triton_cpu_subprocess():

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton_cpu import rerun_under_interpreter, triton_interpreter
 
-from kernels.attn_res import attn_res_aggregate
+from kernels.attn_res import attn_res_aggregate, attn_res_rms_norm
 import kernels.kda
 from kernels.backend import eager_or_compiled, triton_on_cpu, use_triton
 from kernels.moe_permute import combine_rows, dispatch_rows
@@ -88,6 +88,8 @@ def _cases():
                        "_CausalConvWithResets", "k3.short_conv"),
         "attn_res": (lambda a, b, q, gain: attn_res_aggregate([a, b], q, gain, backend="triton"),
                      (r(2, 5, 32), r(2, 5, 32), r(1, 32), r(32)), "_AttnResAggregate", "k3.attn_res"),
+        "attn_res_rms_norm": (lambda a, b, q, gain, nw: attn_res_rms_norm([a, b], q, gain, nw, 1e-5, backend="triton"),
+                              (r(2, 5, 32), r(2, 5, 32), r(1, 32), r(32), r(32)), "_AttnResAggregate", "k3.attn_res"),
         "moe_dispatch": (lambda z: dispatch_rows(z, order, inverse, k, backend="triton"), (r(n, ell),),
                          "_DispatchRows", "k3.moe_dispatch_rows"),
         "moe_combine": (lambda y, w: combine_rows(y, w, order, inverse, backend="triton"), (r(n * k, ell), r(n, k)),

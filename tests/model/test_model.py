@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from k3train.config.schema import ModelConfig
-from k3train.model.attn_res import attn_res_aggregate
+from kernels.attn_res import attn_res_aggregate
 from k3train.model.documents import Documents, bucketed_length
 from k3train.model.k3 import K3Model
 from k3train.model.kda import causal_conv_with_resets
