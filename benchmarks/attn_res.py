@@ -111,10 +111,10 @@ def main() -> None:
     p.add_argument("--sources", type=int, nargs="+", default=[2, 5])
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
-    p.add_argument("--tiles", nargs="+", default=None, metavar="MxW",
-                   help="GPU tiles to sweep, as tokens x warps per program (e.g. 4x8 8x8 8x4), each for both "
-                        "kernels; default: the kernels' own per-S choice (kernels/attn_res/triton_attn_res.py "
-                        "gpu_tile)")
+    p.add_argument("--tiles", nargs="+", default=None, metavar="MxW[xD]",
+                   help="GPU tiles to sweep, as tokens x warps per program [x features a chunk] (e.g. 4x8 8x4 "
+                        "2x8x1024), each for both kernels; default: the kernels' own per-S choice "
+                        "(kernels/attn_res/triton_attn_res.py gpu_tile)")
     p.add_argument("--norm", action="store_true", help="time the site with its RMSNorm: fused, two kernels, torch")
     p.add_argument("--bwd-programs", type=int, nargs="+", default=[None], metavar="P",
                    help="backward programs per SM to sweep (default: the kernels' own)")
@@ -136,7 +136,7 @@ def main() -> None:
                     triton_attn_res.GPU_TILE_OVERRIDE = tile
                     triton_attn_res.GPU_BWD_PROGRAMS_OVERRIDE = programs
                     row = measure(S, args.tokens, args.dim, backend, args.norm, device, args.warmup, args.rep)
-                    label = ("auto" if tile is None else f"{tile[0]}x{tile[1]}") + (f"/{programs}" if programs else "")
+                    label = ("auto" if tile is None else "x".join(map(str, tile))) + (f"/{programs}" if programs else "")
                     rows.append({**row, "tile": label})
         triton_attn_res.GPU_TILE_OVERRIDE = triton_attn_res.GPU_BWD_PROGRAMS_OVERRIDE = None
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

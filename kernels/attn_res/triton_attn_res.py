@@ -1,5 +1,13 @@
 """Triton Block AttnRes aggregation: one forward kernel and one backward kernel, each optionally
-ending in the site's RMSNorm (``NORM``).
+ending in the site's RMSNorm (``NORM``), in two families: the row kernels, for rows that fit one tile
+(d ≤ GPU_ROWS_MAX_D: bench models), and the chunked kernels for wider rows.
+
+Row kernels (``_attn_res_{fwd,bwd}_rows_kernel``): a program holds its tokens' whole rows of every
+source in registers (eight tile values, slots past S unused), so every tensor is read from memory
+once a kernel and nothing is read twice; the backward walks token blocks as below and keeps its dq̃
+(and dw_n) in registers. The math is the one described next, with x = Σ a_i v_i formed in registers.
+
+Chunked kernels:
 
 The S ≤ MAX_SOURCES sources are separate [M, d] tensors (row-major, M tokens) passed as separate
 pointer arguments V0..V7 with a constexpr S (unused slots repeat V0 and are never read); nothing
@@ -45,20 +53,29 @@ MAX_SOURCES = 8
 GPU_FWD_TILE = (2, 4)
 GPU_BWD_TILE_FEW, GPU_BWD_TILE_MANY, GPU_BWD_FEW_SOURCES = (8, 4), (2, 4), 3
 GPU_MAX_BLOCK_D = 512
+# Rows of up to GPU_ROWS_MAX_D features (padded to a power of two) take the row kernels instead: a program
+# holds its tokens' whole rows of every source in registers, so each is read from memory once a kernel.
+GPU_ROWS_MAX_D = 2048
+# (BLOCK_M, num_warps) at d ≤ 1024: one token and 4 warps a program is fastest or within 5% both ways at 2, 5
+# and 8 sources, with the norm and without (32768 tokens, one H200; 1x8, 2x8, 2x16 and 4x16 swept:
+# docs/results/attn_res_norm_rows_tiles_h200_2026-12-01.json)
+GPU_ROWS_FWD_TILE, GPU_ROWS_BWD_TILE = (1, 4), (1, 4)
+INTERPRET_ROWS_MAX_D = 128
 GPU_BWD_PROGRAMS_PER_SM = 8
-GPU_TILE_OVERRIDE: tuple[int, int] | None = None
+GPU_TILE_OVERRIDE: tuple[int, ...] | None = None  # (BLOCK_M, num_warps[, BLOCK_D])
 GPU_BWD_PROGRAMS_OVERRIDE: int | None = None
 INTERPRET_BLOCKS = (4, 64)
 INTERPRET_BWD_PROGRAMS = 2
 
 
-def gpu_tile(S: int, backward: bool) -> tuple[int, int]:
-    """(BLOCK_M, num_warps) of the forward or backward kernel for S sources on a GPU."""
+def gpu_tile(S: int, D: int, backward: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, BLOCK_D) of the forward or backward kernel for S sources of d = D on a GPU."""
+    block_d = min(GPU_MAX_BLOCK_D, max(16, triton.next_power_of_2(D)))
     if GPU_TILE_OVERRIDE is not None:
-        return GPU_TILE_OVERRIDE
+        return (*GPU_TILE_OVERRIDE, block_d)[:3]
     if not backward:
-        return GPU_FWD_TILE
-    return GPU_BWD_TILE_FEW if S <= GPU_BWD_FEW_SOURCES else GPU_BWD_TILE_MANY
+        return (*GPU_FWD_TILE, block_d)
+    return (*(GPU_BWD_TILE_FEW if S <= GPU_BWD_FEW_SOURCES else GPU_BWD_TILE_MANY), block_d)
 
 
 @triton.jit
@@ -165,7 +182,6 @@ def _attn_res_bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4
         qdot = tl.zeros([BLOCK_M, S_PAD], dtype=tl.float32)
         xdot = tl.zeros([BLOCK_M, S_PAD], dtype=tl.float32)  # x·v_i (NORM)
         xx = tl.zeros([BLOCK_M], dtype=tl.float32)
-        xg = tl.zeros([BLOCK_M], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
             mask = ok2 & (cols[None, :] < D)
@@ -176,7 +192,6 @@ def _attn_res_bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4
                 g = g * tl.load(NW + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
                 x = _mix(a, scol, V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S)
                 xx += tl.sum(x * x, axis=1)
-                xg += tl.sum(x * g, axis=1)
             for i in tl.static_range(S):
                 v = _load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7), offs, mask)
                 gdot += tl.where(scol == i, tl.sum(v * g, axis=1)[:, None], 0.0)
@@ -185,9 +200,9 @@ def _attn_res_bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4
                     xdot += tl.where(scol == i, tl.sum(v * x, axis=1)[:, None], 0.0)
         n = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         k = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if NORM:  # g = n (w_n ⊙ dy) − k x
+        if NORM:  # g = n (w_n ⊙ dy) − k x, with x · (w_n ⊙ dy) = Σ_i a_i (w_n ⊙ dy) · v_i
             n = 1.0 / tl.sqrt(xx / D + norm_eps)
-            k = n * n * n * xg / D
+            k = n * n * n * tl.sum(a * gdot, axis=1) / D
             gdot = n[:, None] * gdot - k[:, None] * xdot
         dl = a * (gdot - tl.sum(a * gdot, axis=1)[:, None])
         coef_q = dl * r  # dv_i = a_i g + coef_q_i q̃ − coef_v_i v_i;  dq̃ += coef_q_i v_i
@@ -215,30 +230,159 @@ def _attn_res_bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4
             tl.store(dq_row + cols, tl.load(dq_row + cols, mask=cmask, other=0.0) + dq, mask=cmask)
 
 
+@triton.jit
+def _load_sources(V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S: tl.constexpr):
+    """The S sources' [BLOCK_M, BLOCK_D] tiles at ``offs``, fp32, as eight values (slots past S repeat v0)."""
+    v0 = _load(V0, offs, mask)
+    v1, v2, v3, v4, v5, v6, v7 = v0, v0, v0, v0, v0, v0, v0
+    if S > 1:
+        v1 = _load(V1, offs, mask)
+    if S > 2:
+        v2 = _load(V2, offs, mask)
+    if S > 3:
+        v3 = _load(V3, offs, mask)
+    if S > 4:
+        v4 = _load(V4, offs, mask)
+    if S > 5:
+        v5 = _load(V5, offs, mask)
+    if S > 6:
+        v6 = _load(V6, offs, mask)
+    if S > 7:
+        v7 = _load(V7, offs, mask)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _dots(u, scol, v0, v1, v2, v3, v4, v5, v6, v7, S: tl.constexpr):
+    """[BLOCK_M, S_PAD] tile of u · v_i per token."""
+    out = tl.where(scol == 0, tl.sum(u * v0, axis=1)[:, None], 0.0)
+    for i in tl.static_range(1, S):
+        out += tl.where(scol == i, tl.sum(u * _pick(i, v0, v1, v2, v3, v4, v5, v6, v7), axis=1)[:, None], 0.0)
+    return out
+
+
+@triton.jit
+def _mix_held(a, scol, v0, v1, v2, v3, v4, v5, v6, v7, S: tl.constexpr):
+    """x = Σ_i a_i v_i of tiles held in registers."""
+    x = _column(a, scol, 0)[:, None] * v0
+    for i in tl.static_range(1, S):
+        x += _column(a, scol, i)[:, None] * _pick(i, v0, v1, v2, v3, v4, v5, v6, v7)
+    return x
+
+
+@triton.jit
+def _attn_res_fwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, NW, O, R, A, M, D, eps, norm_eps,
+                              S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The forward for rows that fit one tile (BLOCK_D ≥ D): every source read once into registers."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok2 = (rows < M)[:, None]
+    cols = tl.arange(0, BLOCK_D)
+    mask = ok2 & (cols[None, :] < D)
+    offs = rows[:, None] * D + cols[None, :]
+    scol = tl.arange(0, S_PAD)[None, :]
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load_sources(V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S)
+    q = tl.load(Q + cols, mask=cols < D, other=0.0)[None, :]
+    sumsq = tl.where(scol == 0, tl.sum(v0 * v0, axis=1)[:, None], 0.0)
+    for i in tl.static_range(1, S):
+        vi = _pick(i, v0, v1, v2, v3, v4, v5, v6, v7)
+        sumsq += tl.where(scol == i, tl.sum(vi * vi, axis=1)[:, None], 0.0)
+    r = 1.0 / tl.sqrt(sumsq / D + eps)
+    logits = tl.where(scol < S, r * _dots(q, scol, v0, v1, v2, v3, v4, v5, v6, v7, S), float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    a = e / tl.sum(e, axis=1)[:, None]
+    smask = ok2 & (scol < S)
+    tl.store(R + rows[:, None] * S + scol, r, mask=smask)
+    tl.store(A + rows[:, None] * S + scol, a, mask=smask)
+    y = _mix_held(a, scol, v0, v1, v2, v3, v4, v5, v6, v7, S)
+    if NORM:
+        n = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / D + norm_eps)
+        y = y * n[:, None] * tl.load(NW + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    tl.store(O + offs, y.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attn_res_bwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7,
+                              Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
+                              S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The backward for rows that fit one tile: every source and G read once; this program's dq̃ (and
+    dw_n) summed in registers over its token blocks and written once to its row of DQ (DNW)."""
+    pid = tl.program_id(0)
+    scol = tl.arange(0, S_PAD)[None, :]
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    q = tl.load(Q + cols, mask=cmask, other=0.0)[None, :]
+    nw = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    dq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dnw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for block in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        ok2 = (rows < M)[:, None]
+        mask = ok2 & cmask[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        smask = ok2 & (scol < S)
+        r = tl.load(R + rows[:, None] * S + scol, mask=smask, other=0.0)
+        a = tl.load(A + rows[:, None] * S + scol, mask=smask, other=0.0)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _load_sources(V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S)
+        g = _load(G, offs, mask)
+        if NORM:  # g ← ∂L/∂x = n (w_n ⊙ dy) − n³ (x · (w_n ⊙ dy)/d) x
+            x = _mix_held(a, scol, v0, v1, v2, v3, v4, v5, v6, v7, S)
+            n = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + norm_eps)
+            dnw += tl.sum(g * x * n[:, None], axis=0)
+            wdy = g * nw
+            k = n * n * n * tl.sum(x * wdy, axis=1) / D
+            g = n[:, None] * wdy - k[:, None] * x
+        gdot = _dots(g, scol, v0, v1, v2, v3, v4, v5, v6, v7, S)
+        qdot = _dots(q, scol, v0, v1, v2, v3, v4, v5, v6, v7, S)
+        dl = a * (gdot - tl.sum(a * gdot, axis=1)[:, None])
+        coef_q = dl * r  # dv_i = a_i g + coef_q_i q̃ − coef_v_i v_i;  dq̃ += coef_q_i v_i
+        coef_v = coef_q * r * r * qdot / D
+        for i in tl.static_range(S):
+            vi = _pick(i, v0, v1, v2, v3, v4, v5, v6, v7)
+            cq = _column(coef_q, scol, i)[:, None]
+            dv = _column(a, scol, i)[:, None] * g + cq * q - _column(coef_v, scol, i)[:, None] * vi
+            DVi = _pick(i, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7)
+            tl.store(DVi + offs, dv.to(DVi.dtype.element_ty), mask=mask)
+            dq += tl.sum(cq * vi, axis=0)
+    tl.store(DQ + pid.to(tl.int64) * D + cols, dq, mask=cmask)
+    if NORM:
+        tl.store(DNW + pid.to(tl.int64) * D + cols, dnw, mask=cmask)
+
+
 def interpreter_active() -> bool:
     """Whether the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
     return isinstance(_attn_res_fwd_kernel, InterpretedFunction)
 
 
-def _launch(M: int, D: int, S: int, t: torch.Tensor, backward: bool) -> tuple[int, dict]:
-    """(number of programs, meta-parameters) for M tokens of d = D features and S sources."""
+def _launch(M: int, D: int, S: int, t: torch.Tensor, backward: bool) -> tuple[int, dict, bool]:
+    """(number of programs, meta-parameters, whether the row kernels apply) for M tokens of d = D features
+    and S sources."""
     if S < 1 or S > MAX_SOURCES:
         raise ValueError(f"the Triton AttnRes kernels take 1..{MAX_SOURCES} sources, got {S}")
+    whole_row = max(16, triton.next_power_of_2(D))
     if t.is_cuda:
-        bm, warps = gpu_tile(S, backward)
-        bd = min(GPU_MAX_BLOCK_D, max(16, triton.next_power_of_2(D)))
+        rows = whole_row <= GPU_ROWS_MAX_D and (GPU_TILE_OVERRIDE is None or len(GPU_TILE_OVERRIDE) == 2)
+        if rows:  # the default warps are for rows of up to 1024 features, and grow with the row
+            bm, warps = GPU_TILE_OVERRIDE or (GPU_ROWS_BWD_TILE if backward else GPU_ROWS_FWD_TILE)
+            warps = warps if GPU_TILE_OVERRIDE else min(16, warps * max(1, whole_row // 1024))
+            bd = whole_row
+        else:
+            bm, warps, bd = gpu_tile(S, D, backward)
         opts = {"num_warps": warps}
         per_sm = GPU_BWD_PROGRAMS_OVERRIDE or GPU_BWD_PROGRAMS_PER_SM
         max_programs = per_sm * torch.cuda.get_device_properties(t.device).multi_processor_count
     elif interpreter_active():
+        rows = whole_row <= INTERPRET_ROWS_MAX_D
         (bm, bd), opts, max_programs = INTERPRET_BLOCKS, {}, INTERPRET_BWD_PROGRAMS
+        bd = whole_row if rows else bd
     else:
         raise RuntimeError("the Triton AttnRes kernels got a CPU tensor, but Triton's interpreter is "
                            "off: set TRITON_INTERPRET=1 before triton is imported, or use "
                            "backend='torch'")
     meta = {"S": S, "S_PAD": max(2, triton.next_power_of_2(S)), "BLOCK_M": bm, "BLOCK_D": bd, **opts}
     blocks = triton.cdiv(M, bm)
-    return (min(blocks, max_programs) if backward else blocks), meta
+    return (min(blocks, max_programs) if backward else blocks), meta, rows
 
 
 def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -258,9 +402,10 @@ def attn_res_fwd(sources: list[torch.Tensor], qt: torch.Tensor, norm_weight: tor
     r = torch.empty((M, S), dtype=torch.float32, device=dev)
     a = torch.empty((M, S), dtype=torch.float32, device=dev)
     if M * D:
-        n, meta = _launch(M, D, S, sources[0], backward=False)
+        n, meta, rows = _launch(M, D, S, sources[0], backward=False)
         nw = qt if norm_weight is None else norm_weight  # any pointer without the norm
-        _attn_res_fwd_kernel[(n,)](*_slots(sources), qt, nw, out, r, a, M, D, RMS_EPS, norm_eps,
+        kernel = _attn_res_fwd_rows_kernel if rows else _attn_res_fwd_kernel
+        kernel[(n,)](*_slots(sources), qt, nw, out, r, a, M, D, RMS_EPS, norm_eps,
                                    NORM=norm_weight is not None, **meta)
     return out, r, a
 
@@ -276,11 +421,12 @@ def attn_res_bwd(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.
     dnw = None if norm_weight is None else zeros.to(norm_weight.dtype)
     if M * D == 0:
         return dvs, zeros, dnw
-    n, meta = _launch(M, D, len(sources), sources[0], backward=True)
+    n, meta, rows = _launch(M, D, len(sources), sources[0], backward=True)
     dq_parts = torch.zeros((n, D), dtype=torch.float32, device=qt.device)
     dnw_parts = dq_parts if norm_weight is None else torch.zeros_like(dq_parts)
     nw = qt if norm_weight is None else norm_weight
-    _attn_res_bwd_kernel[(n,)](*_slots(sources), *_slots(dvs), qt, nw, grad_out, r, a, dq_parts, dnw_parts,
+    kernel = _attn_res_bwd_rows_kernel if rows else _attn_res_bwd_kernel
+    kernel[(n,)](*_slots(sources), *_slots(dvs), qt, nw, grad_out, r, a, dq_parts, dnw_parts,
                                M, D, norm_eps, NORM=norm_weight is not None, **meta)
     if norm_weight is not None:
         dnw = dnw_parts.sum(0).to(norm_weight.dtype)

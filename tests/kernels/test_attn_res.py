@@ -173,6 +173,18 @@ def test_triton_kernels_with_the_norm(S, shape, out_dtype):
 
 
 @triton_cpu
+def test_triton_shapes_above_cover_both_kernel_families():
+    """Under the interpreter d = 96 takes the row kernels and d = 1000 the chunked ones, so the kernel tests
+    above run both (with and without the norm)."""
+    from kernels.attn_res import triton_attn_res as T
+    if DEV == "cuda":
+        pytest.skip("the interpreter's split; on a GPU both shapes take the row kernels")
+    x = torch.empty(1, 1)
+    assert T._launch(7, 96, 2, x, backward=False)[2] and T._launch(7, 96, 2, x, backward=True)[2]
+    assert not T._launch(7, 1000, 2, x, backward=False)[2] and not T._launch(7, 1000, 2, x, backward=True)[2]
+
+
+@triton_cpu
 def test_triton_model_equals_reference_path(monkeypatch):
     """k3_tiny (19 sites, up to 4 sources) forward and backward: the kernel against the torch path.
     Under the interpreter one program covers all 12 tokens (the edges are test_triton_kernels')."""
