@@ -207,9 +207,9 @@ class TrainConfig:
     compile_mode: str = "reduce-overhead"
     # Capture the optimizer step in a CUDA graph after two eager steps and replay it (optim=muon, one GPU, one
     # rank; k3train/training/optimizer_graph.py): K3Muon's step issues ~800 kernels and its host time exceeds
-    # its GPU time (docs/muon_notes.md). Off by default: a 300-step bench-1B run with it on died of a
-    # segmentation fault between steps 10 and 20; the same run with it off did not (docs/operating.md).
-    optimizer_cuda_graph: bool = False
+    # its GPU time (docs/muon_notes.md). None (the default): on wherever it applies; true: required (start-up
+    # says why not); false: off.
+    optimizer_cuda_graph: Optional[bool] = None
     # Activation recompute (docs/operating.md): "none", "attn_res" (the AttnRes sites), "kda" (those and the
     # KDA mixers) or "full" (whole decoder layers); each trades a second forward of those parts for memory.
     recompute: str = "none"

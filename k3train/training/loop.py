@@ -56,7 +56,7 @@ from k3train.training.integrity import resume_checkpoint
 from k3train.training.resume_report import drop_metrics_after, report_config_changes
 from k3train.training.run_dir import RunDirError, RunDirLock, check_no_overwrite
 from k3train.training.metrics import MetricsLogger
-from k3train.training.optimizer_graph import CapturedOptimizerStep
+from k3train.training.optimizer_graph import CapturedOptimizerStep, captures_optimizer_step
 from k3train.training.optimizer_metrics import optimizer_metrics
 from k3train.training.micro_batches import MicroBatchLoop
 
@@ -132,8 +132,9 @@ class Trainer:
             self.optimizer.check_finite = False
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         # optimizer.step(), or its CUDA-graph replay after two eager steps (train.optimizer_cuda_graph)
-        self.optimizer_step = (CapturedOptimizerStep(self.optimizer) if t.optimizer_cuda_graph
-                               else self.optimizer.step)
+        captured = captures_optimizer_step(t.optimizer_cuda_graph, self.device.type, cfg.optim.name,
+                                           self.groups.world_size)
+        self.optimizer_step = CapturedOptimizerStep(self.optimizer) if captured else self.optimizer.step
 
         self.n_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
         self.schedule = self._build_schedule()

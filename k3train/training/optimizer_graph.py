@@ -12,16 +12,33 @@ What makes the step capturable, and what this class relies on:
 * no host reads inside the step: K3Muon's own finiteness check is off (the trainer's guard checks
   the global norm before the step), and one rank, so no collectives;
 * the learning rate read from device scalars (``K3Muon.lr_on_device``), refreshed by
-  ``sync_device_lr()`` before every step, eager or replayed, so the schedule goes on.
+  ``sync_device_lr()`` before every step, eager or replayed, so the schedule goes on;
+* a cuBLAS workspace of its own. cuBLAS keeps one workspace per handle and stream, allocated at the first
+  GEMM on that stream; a graph captured with it replays into that memory. Inductor's CUDA graph trees
+  (``train.compile_mode=reduce-overhead``) free every workspace before and after each recording
+  (``torch._C._cuda_clearCublasWorkspaces``), so a workspace made outside the capture became free memory
+  at the layers' first new recording, and the replay then wrote into whatever took it, or faulted once it
+  was released (the bench-1B trainer, session 14: ``unspecified launch failure`` in the replay at step 17,
+  under ``CUDA_LAUNCH_BLOCKING=1``). The capture therefore starts and ends by clearing the workspaces, as
+  the graph trees do: cuBLAS allocates a fresh one inside the capture, in the graph's private pool, which
+  the graph keeps for its lifetime.
 
 Usage: ``step = CapturedOptimizerStep(optimizer)``, then ``step()`` wherever ``optimizer.step()``
-was called. The first ``eager_steps`` calls run eagerly (the last one on the capture stream, which
+was called; ``captures_optimizer_step`` resolves ``train.optimizer_cuda_graph``. The first ``eager_steps`` calls run eagerly (the last one on the capture stream, which
 also warms cuBLAS there); the next captures the step and replays it.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def captures_optimizer_step(setting: bool | None, device_type: str, optim_name: str, world_size: int) -> bool:
+    """``train.optimizer_cuda_graph`` resolved: ``setting`` when given (true was validated at start-up), else
+    on wherever the captured step applies: K3Muon (``optim=muon``) on one CUDA rank."""
+    if setting is not None:
+        return setting
+    return device_type == "cuda" and optim_name == "muon" and world_size == 1
 
 
 class CapturedOptimizerStep:
@@ -65,7 +82,9 @@ class CapturedOptimizerStep:
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
+        torch._C._cuda_clearCublasWorkspaces()  # the capture's GEMMs get a workspace in the graph's pool
         # thread_local: the data loader's and the checkpoint writer's threads may touch CUDA meanwhile
         with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
             self.optimizer.step()
+        torch._C._cuda_clearCublasWorkspaces()  # and no later eager GEMM on this stream reuses it
         self.graph = graph

@@ -140,3 +140,18 @@ def test_flop_counter_matches_the_model_weights():
 
 def test_schema_defaults_are_k3_tiny():
     assert dataclasses.asdict(load_config([]).model) == dataclasses.asdict(load_config(["model=k3_tiny"]).model)
+
+
+def test_optimizer_cuda_graph_is_on_where_it_applies():
+    """train.optimizer_cuda_graph: null (the default) means K3Muon on one CUDA rank; an explicit value wins
+    (true is checked at start-up by validate)."""
+    from k3train.training.optimizer_graph import captures_optimizer_step
+
+    assert _cfg().train.optimizer_cuda_graph is None
+    validate(_cfg(train={"device": "cpu"}))  # the default passes on CPU, where it resolves to off
+    assert captures_optimizer_step(None, "cuda", "muon", 1)
+    assert not captures_optimizer_step(None, "cpu", "muon", 1)
+    assert not captures_optimizer_step(None, "cuda", "adamw", 1)
+    assert not captures_optimizer_step(None, "cuda", "muon", 2)
+    assert not captures_optimizer_step(False, "cuda", "muon", 1)
+    assert captures_optimizer_step(True, "cuda", "muon", 1)
