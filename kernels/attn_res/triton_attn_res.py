@@ -56,7 +56,7 @@ GPU_MAX_BLOCK_D = 512
 # Rows of up to GPU_ROWS_MAX_D features (padded to a power of two) take the row kernels instead: a program
 # holds its tokens' whole rows of every source in registers, so each is read from memory once a kernel.
 GPU_ROWS_MAX_D = 2048
-# (BLOCK_M, num_warps) at d ≤ 1024: one token and 4 warps a program is fastest or within 5% both ways at 2, 5
+# (BLOCK_M, num_warps) at d ≤ 1024: one token and 4 warps a program is fastest or within 6% both ways at 2, 5
 # and 8 sources, with the norm and without (32768 tokens, one H200; 1x8, 2x8, 2x16 and 4x16 swept:
 # docs/results/attn_res_norm_rows_tiles_h200_2026-12-01.json)
 GPU_ROWS_FWD_TILE, GPU_ROWS_BWD_TILE = (1, 4), (1, 4)
