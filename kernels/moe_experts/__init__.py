@@ -16,10 +16,12 @@ What runs (``triton_moe_experts.py`` for the two fused kernels, ``torch._grouped
 Against the unfused path (``LocalTokenDispatcher.dispatch`` → ``RoutedExperts.forward``) this saves the
 forward gather's copy of the rows and both SiTU passes' round trips of gu and h. Saves z, w13, w2,
 order, inverse, offsets, gu and h. CUDA (bf16 dots), or CPU through Triton's interpreter (fp32 dots);
-not a ``torch.library`` op (eager only). Measured on one H200 it is slower than the unfused grouped path
-(1.66 against 1.30 ms fwd+bwd at bench-1B dims): its two Triton GEMMs run 2-4x the bare
-``torch._grouped_mm`` of their products (``docs/moe_notes.md`` §2), so it stays a benchmark row
-(``benchmarks/moe.py --impls fused``), not the model's path.
+not a ``torch.library`` op (eager only). Measured on one H200 (session 13) it was slower than the unfused
+grouped path (1.54 against 1.30 ms fwd+bwd at bench-1B dims, tuned): its two Triton GEMMs ran 2-4x the bare
+``torch._grouped_mm`` of their products, bound by registers (``docs/moe_notes.md`` §2). The kernels now
+take the weights (and the backward its rows) through TMA descriptors and run their SiTU epilogues on
+quarter tiles, which takes them from 196-255 registers to 79-198 and lets the wide tiles compile without
+spills; not yet timed. It stays a benchmark row (``benchmarks/moe.py --impls fused``) until it wins.
 """
 
 from __future__ import annotations

@@ -48,6 +48,15 @@ def test_fused_equals_reference(N, E, k, I):
     assert got[2][-1].abs().sum() == 0 and got[3][-1].abs().sum() == 0  # the empty expert gets no gradient
 
 
+@triton_cpu
+def test_tiles_must_stay_within_one_expert():
+    """The weights come through tensor descriptors: ℓ must split into whole BK-wide tiles (here 40 by 16 in the
+    interpreter), else a tile would read into the next expert's weights; the error says so."""
+    leaves, order, inverse, offsets, dy = _case(8, 2, 1, ell=40, I=16, dtype=torch.float32, seed=3)
+    with pytest.raises(ValueError, match="multiple of BK"):
+        routed_experts_fused(leaves[0], order, inverse, 1, offsets, leaves[1], leaves[2], *BETAS)
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="bf16 tensor-core dots at bench-1B dims: GPU only")
 def test_fused_bf16_bench_dims_close_to_reference():
     leaves, order, inverse, offsets, dy = _case(4096, 128, 8, ell=512, I=256, dtype=torch.bfloat16, seed=1,
