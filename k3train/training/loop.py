@@ -135,6 +135,9 @@ class Trainer:
         captured = captures_optimizer_step(t.optimizer_cuda_graph, self.device.type, cfg.optim.name,
                                            self.groups.world_size)
         self.optimizer_step = CapturedOptimizerStep(self.optimizer) if captured else self.optimizer.step
+        if captured and self.groups.is_main:
+            print(f"the optimizer step replays as a CUDA graph after {self.optimizer_step.eager_steps} eager steps "
+                  f"(train.optimizer_cuda_graph=false: eager)", flush=True)
 
         self.n_micro = t.global_batch_size // (t.micro_batch_size * self.groups.dp_size)
         self.schedule = self._build_schedule()

@@ -24,8 +24,9 @@ What makes the step capturable, and what this class relies on:
   the graph keeps for its lifetime.
 
 Usage: ``step = CapturedOptimizerStep(optimizer)``, then ``step()`` wherever ``optimizer.step()``
-was called; ``captures_optimizer_step`` resolves ``train.optimizer_cuda_graph``. The first ``eager_steps`` calls run eagerly (the last one on the capture stream, which
-also warms cuBLAS there); the next captures the step and replays it.
+was called; ``captures_optimizer_step`` resolves ``train.optimizer_cuda_graph``. The first
+``eager_steps`` calls run eagerly (the last one on the capture stream, so that lazy initialisation on
+that stream happens outside the capture); the next captures the step and replays it.
 """
 
 from __future__ import annotations
