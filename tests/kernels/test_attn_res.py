@@ -149,8 +149,28 @@ def test_triton_kernels(S, shape):
 def test_triton_kernels_with_the_norm(S, shape, out_dtype):
     """The site with its RMSNorm fused (y = RMSNorm(Agg)·w_n, Agg never stored) against the float64
     composition of the two references: y and the gradients of every source, w, γ and w_n."""
-    sources, w, gain, go = random_inputs(S, shape, seed=20 + S)
-    nw = torch.rand(shape[-1], generator=torch.Generator().manual_seed(S), dtype=torch.float64) + 0.5
+    _check_site_with_norm(S, shape, out_dtype, seed=20 + S)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="on CPU the interpreter's split by d already runs the chunked kernels")
+def test_chunked_kernels_on_gpu(monkeypatch):
+    """On a GPU every bench width takes the row kernels; a 3-element tile forces the chunked ones (d = 1000 in
+    64-wide chunks, 5 sources), which wider models (full K3, d = 7168) run: with the norm and without."""
+    from kernels.attn_res import triton_attn_res as T
+    monkeypatch.setattr(T, "GPU_TILE_OVERRIDE", (2, 4, 64))
+    S, shape = 5, (2, 3, 1000)
+    assert not T._launch(6, 1000, S, torch.empty(1, device="cuda"), backward=True)[2]
+    sources, w, gain, go = random_inputs(S, shape, seed=30)
+    kernel = functools.partial(attn_res_aggregate, backend="triton")
+    out, grads = _fwd_bwd(kernel, _leaves(sources, dtype=torch.float32), w.float(), gain.float(), go)
+    _check_against_reference(sources, w, gain, go, out, grads)
+    _check_site_with_norm(S, shape, torch.float32, seed=31)
+
+
+def _check_site_with_norm(S: int, shape: tuple[int, ...], out_dtype: torch.dtype, seed: int) -> None:
+    """attn_res_rms_norm on the Triton path (fp32 sources, y in ``out_dtype``) against the torch path in float64."""
+    sources, w, gain, go = random_inputs(S, shape, seed=seed)
+    nw = torch.rand(shape[-1], generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5
     go = go.to(out_dtype).double()  # the kernel gets ∂L/∂y in y's dtype
 
     def site(sources_and_nw, w, gain, backend, out_dtype):
