@@ -113,10 +113,8 @@ def _load(V, offs, mask):
 @triton.jit
 def _mix(a, scol, V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S: tl.constexpr):
     """x = Σ_i a_i v_i over one [BLOCK_M, BLOCK_D] chunk at ``offs``, fp32."""
-    x = _column(a, scol, 0)[:, None] * _load(V0, offs, mask)
-    for i in tl.static_range(1, S):
-        x += _column(a, scol, i)[:, None] * _load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7), offs, mask)
-    return x
+    v0, v1, v2, v3, v4, v5, v6, v7 = _load_sources(V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S)
+    return _mix_held(a, scol, v0, v1, v2, v3, v4, v5, v6, v7, S)
 
 
 @triton.jit
