@@ -164,7 +164,7 @@ def _attn_res_bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4
                          Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
                          S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """G is ∂L/∂x, or ∂L/∂y with NORM; DQ (and DNW) are [programs, D] fp32 buffers of zeros."""
+    """G is ∂L/∂x, or ∂L/∂y with NORM; DQ (and DNW) are [programs, D] fp32 buffers of zeros (added into)."""
     pid = tl.program_id(0)
     scol = tl.arange(0, S_PAD)[None, :]
     dq_row = DQ + pid.to(tl.int64) * D
@@ -415,17 +415,17 @@ def attn_res_bwd(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.
     (dv_i [M, d] in the sources' dtype, dq̃ [d] fp32, the norm weight's gradient in its dtype or None)."""
     M, D = sources[0].shape
     dvs = [torch.empty_like(v) for v in sources]
-    zeros = torch.zeros(D, dtype=torch.float32, device=qt.device)
-    dnw = None if norm_weight is None else zeros.to(norm_weight.dtype)
     if M * D == 0:
-        return dvs, zeros, dnw
+        zeros = torch.zeros(D, dtype=torch.float32, device=qt.device)
+        return dvs, zeros, None if norm_weight is None else zeros.to(norm_weight.dtype)
     n, meta, rows = _launch(M, D, len(sources), sources[0], backward=True)
-    dq_parts = torch.zeros((n, D), dtype=torch.float32, device=qt.device)
-    dnw_parts = dq_parts if norm_weight is None else torch.zeros_like(dq_parts)
+    # the row kernels write each program's row once; the chunked ones add into it chunk by chunk
+    parts = torch.empty if rows else torch.zeros
+    dq_parts = parts((n, D), dtype=torch.float32, device=qt.device)
+    dnw_parts = dq_parts if norm_weight is None else parts((n, D), dtype=torch.float32, device=qt.device)
     nw = qt if norm_weight is None else norm_weight
     kernel = _attn_res_bwd_rows_kernel if rows else _attn_res_bwd_kernel
     kernel[(n,)](*_slots(sources), *_slots(dvs), qt, nw, grad_out, r, a, dq_parts, dnw_parts,
-                               M, D, norm_eps, NORM=norm_weight is not None, **meta)
-    if norm_weight is not None:
-        dnw = dnw_parts.sum(0).to(norm_weight.dtype)
+                 M, D, norm_eps, NORM=norm_weight is not None, **meta)
+    dnw = None if norm_weight is None else dnw_parts.sum(0).to(norm_weight.dtype)
     return dvs, dq_parts.sum(0), dnw
