@@ -16,8 +16,6 @@ replays captured in a CUDA graph (GPU time without the host's autograd and launc
 train.compile_mode=reduce-overhead; each row's JSON says how it was timed).
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
 * grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm).
-* fused (``--impls …,fused``): the dispatcher's sort, then ``kernels.moe_experts.routed_experts_fused``
-  (the gather and SiTU inside Triton grouped GEMMs, the rest torch._grouped_mm), then the combine.
 * megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
   unfused path): TEGroupedMLP where Transformer Engine imports, else GroupedMLP where the
   ``grouped_gemm`` package imports, else SequentialMLP (a ColumnParallelLinear/RowParallelLinear
@@ -28,7 +26,7 @@ Routing: natural = K3's sigmoid top-k router on N(0, 1) inputs of width --router
 N(0, 0.02) router weights; skewed = k distinct experts per token drawn with probability
 proportional to a Dirichlet(0.3) expert popularity.
 FLOPs per forward 2*M*l*2I + 2*M*I*l with M = N*k, fwd+bwd = 3x; "of dense" = dense ms / row ms.
-Before timing, grouped (and fused) is checked against loop (output and gradients of z, weights, w13, w2;
+Before timing, grouped is checked against loop (output and gradients of z, weights, w13, w2;
 relative Frobenius error <= 2e-2, asserted), and megatron against loop on megatron's weights
 with SiTU's beta, beta_lin -> infinity (= SwiGLU); a megatron row over the limit is reported n/a.
 """
@@ -54,14 +52,12 @@ from k3train.model.moe import RoutedExperts  # noqa: E402
 from k3train.model.router import SigmoidRouter  # noqa: E402
 from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
-from k3train.parallel.token_dispatcher import (LocalTokenDispatcher, counts_of_sorted,  # noqa: E402
-                                               inverse_permutation, stable_sort)
-from kernels.moe_experts import routed_experts_fused  # noqa: E402
-from kernels.moe_permute import combine_rows  # noqa: E402
+from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
 from op_timing import graph_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CHECK_LIMIT = 2e-2
+IMPLS = {"loop", "grouped", "megatron"}
 SWIGLU_BETA = 1e6  # SiTU(a, c) -> silu(a) * c as beta, beta_lin -> infinity
 
 
@@ -247,13 +243,16 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up per row")
     ap.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per row")
-    ap.add_argument("--impls", default="loop,grouped,megatron", help="rows after the two dense ones")
+    ap.add_argument("--impls", default="loop,grouped,megatron",
+                    help=f"rows after the two dense ones, comma-separated from {sorted(IMPLS)}")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="time each row as CUDA-graph replays (GPU time only; rows that cannot be captured, "
                          "such as the loop's host syncs, fall back to do_bench)")
     ap.add_argument("--json", default="moe_bench.json")
     args = ap.parse_args(argv)
     impls = args.impls.split(",")
+    if unknown := set(impls) - IMPLS:
+        ap.error(f"--impls: unknown {sorted(unknown)}; choose from {sorted(IMPLS)}")
     E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
     M, dt = N * k, DTYPES[args.dtype]
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -304,20 +303,10 @@ def main(argv=None):
                 xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts)
                 return dispatcher.combine(routed(xg, tokens_per_expert), w, handle)
 
-            def fused():
-                sorted_experts, order = stable_sort(experts.flatten(), E)
-                inverse = inverse_permutation(order)
-                offsets = counts_of_sorted(sorted_experts, E).cumsum(0).to(torch.int32)
-                y = routed_experts_fused(z, order, inverse, k, offsets, routed.w13, routed.w2, routed.beta,
-                                         routed.linear_beta)
-                return combine_rows(y, w, order, inverse)
-
-            paths = {"grouped": grouped, **({"fused": fused} if "fused" in impls else {})}
-            want = out_and_grads(loop, leaves, dout)
-            checks[kind] = {name: compare(out_and_grads(fn, leaves, dout), want) for name, fn in paths.items()}
-            for name in paths:
-                print(f"check {kind} {name} vs loop: {checks[kind][name]}", flush=True)
-                assert max(checks[kind][name].values()) <= CHECK_LIMIT, checks[kind]
+            checks[kind] = {"grouped": compare(out_and_grads(grouped, leaves, dout),
+                                               out_and_grads(loop, leaves, dout))}
+            print(f"check {kind} grouped vs loop: {checks[kind]['grouped']}", flush=True)
+            assert max(checks[kind]["grouped"].values()) <= CHECK_LIMIT, checks[kind]
             megatron, reason = None, info["megatron"].get("error")
             if mcore is not None:
                 try:
@@ -332,8 +321,7 @@ def main(argv=None):
                     reason = failure(e)
             if "loop" in impls:
                 timed(kind, "loop", loop, leaves, dout)
-            for name, fn in paths.items():
-                timed(kind, name, fn, leaves, dout)
+            timed(kind, "grouped", grouped, leaves, dout)
             if "megatron" not in impls:
                 pass
             elif megatron is None:

@@ -8,14 +8,11 @@ combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference),
 GEMMs and the fused SiTU-GLU; medians, ms. ``--permute-tiles 4096x4 16384x8 …`` also times the Triton
 gather and combine at each tile (elements of a program's [tokens, k, columns] tile × warps), and
 ``--situ-tiles 2048x4 …`` the SiTU-GLU kernels at each tile (elements of a program's tile × warps).
-The two fused expert kernels of ``kernels.moe_experts`` (the W13 GEMM reading z by index with SiTU in
-its epilogue, forward; the W2 dgrad with the SiTU backward in its epilogue) are timed beside the bare
-``torch._grouped_mm`` of the same product, their ceiling; ``--fused-tiles 128x64x64x8x3 …`` (BM × BN ×
-BK × warps × stages, both kernels) sweeps their tiles. Each piece is captured in a CUDA graph and its
-replays timed (``triton.testing.do_bench_cudagraph``), so the figure is GPU time without the host's
-autograd and launch overhead, which ``do_bench`` alone adds to pieces this small; a piece that cannot be
-captured (one that reads back to the host, e.g. ``torch.bincount``) is timed with ``do_bench`` and
-marked ``*`` (host included). ``benchmarks/moe.py`` times the whole path against the dense ceiling.
+Each piece is captured in a CUDA graph and its replays timed (``triton.testing.do_bench_cudagraph``), so
+the figure is GPU time without the host's autograd and launch overhead, which ``do_bench`` alone adds to
+pieces this small; a piece that cannot be captured (one that reads back to the host, e.g.
+``torch.bincount``) is timed with ``do_bench`` and marked ``*`` (host included). ``benchmarks/moe.py``
+times the whole path against the dense ceiling.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from k3train.config.schema import ModelConfig  # noqa: E402
 from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher, counts_of_sorted, stable_sort  # noqa: E402
-from kernels.moe_experts import triton_moe_experts  # noqa: E402
 from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # noqa: E402
 from kernels.situ import situ_glu_packed, triton_situ  # noqa: E402
 from op_timing import graph_ms, median_ms  # noqa: E402
@@ -47,38 +43,6 @@ def gpu_ms(fn, graph: bool = True) -> tuple[float, str]:
     return median_ms(fn, "cuda", 25, 100), "do_bench (host included)"
 
 
-def fused_expert_kernels(experts: RoutedExperts, z: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
-                         k: int, tiles: list[str]) -> dict[str, tuple[float, str]]:
-    """The fused W13 + SiTU forward and W2 dgrad + SiTU backward kernels (default tiles, then each of
-    ``tiles``) and the bare grouped GEMMs of the same products, forward only."""
-    M, (E, ell, I) = order.shape[0], experts.w2.shape
-    rows = torch.randn(M, ell, device=z.device, dtype=z.dtype)
-    betas = (experts.beta, experts.linear_beta)
-    with torch.no_grad():
-        gu, _ = triton_moe_experts.w13_situ_forward(z, order, offsets, experts.w13, k, *betas)
-        pieces = {
-            "W13+SiTU fused fwd": lambda: triton_moe_experts.w13_situ_forward(z, order, offsets, experts.w13, k,
-                                                                               *betas),
-            "W2 dgrad+SiTU' fused": lambda: triton_moe_experts.w2_dgrad_situ_backward(rows, experts.w2, gu, offsets,
-                                                                                      *betas)}
-        times = {"W13 bare _grouped_mm fwd": gpu_ms(lambda: torch._grouped_mm(rows, experts.w13.transpose(-2, -1),
-                                                                              offs=offsets)),
-                 "W2 dgrad bare _grouped_mm": gpu_ms(lambda: torch._grouped_mm(rows, experts.w2, offs=offsets))}
-        times.update({name: gpu_ms(fn) for name, fn in pieces.items()})
-        defaults = dict(triton_moe_experts.GPU_TILES_FWD), dict(triton_moe_experts.GPU_TILES_BWD)
-        for tile in tiles:  # the kernels read the tiles at each launch
-            bm, bn, bk, warps, stages = (int(v) for v in tile.split("x"))
-            config = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
-            triton_moe_experts.GPU_TILES_FWD = triton_moe_experts.GPU_TILES_BWD = config
-            for name, fn in pieces.items():
-                try:
-                    times[f"{name} {tile}"] = gpu_ms(fn)
-                except Exception as e:  # e.g. out of shared memory or registers at this tile
-                    print(f"{name} {tile}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        triton_moe_experts.GPU_TILES_FWD, triton_moe_experts.GPU_TILES_BWD = defaults
-    return times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=128)
@@ -90,8 +54,6 @@ def main() -> None:
                     help="also time the Triton gather and combine at these tiles")
     ap.add_argument("--situ-tiles", nargs="*", default=[], metavar="ELEMSxWARPS",
                     help="also time the Triton SiTU-GLU at these tiles")
-    ap.add_argument("--fused-tiles", nargs="*", default=[], metavar="BMxBNxBKxWARPSxSTAGES",
-                    help="also time the fused expert kernels at these tiles")
     ap.add_argument("--json", default="moe_components.json")
     args = ap.parse_args()
     E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
@@ -137,7 +99,6 @@ def main() -> None:
                 "combine": lambda: fwd_bwd(lambda: combine_rows(rows, w, handle.order, handle.inverse), rows, w)}),
               (triton_situ, "GPU_BLOCK_ELEMS", args.situ_tiles,
                {"SiTU-GLU": lambda: fwd_bwd(lambda: situ_glu_packed(gate_up), gate_up)})]
-    times.update(fused_expert_kernels(experts, z, handle.order, offsets, k, args.fused_tiles))
     for module, elems_name, tiles, pieces in sweeps:  # the kernels read the tile at each launch
         default_tile = getattr(module, elems_name), module.GPU_NUM_WARPS
         for tile in tiles:

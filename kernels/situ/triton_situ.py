@@ -80,7 +80,7 @@ def _tile(M, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def situ_math(a, c, beta, linear_beta):
-    """SiTU(a, c) of fp32 tiles (also the grouped experts' GEMM epilogue, kernels/moe_experts)."""
+    """SiTU(a, c) of fp32 tiles."""
     ta, _ = _tanh_sech2(a / beta)
     tc, _ = _tanh_sech2(c / linear_beta)
     sa, _ = _sigmoid_pair(a)
