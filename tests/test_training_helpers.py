@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from warm_trainer import can_fork, run_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["model=k3_tiny", "train.device=cpu", "data.seq_len=64", "train.global_batch_size=4",
@@ -18,20 +19,25 @@ FAST = ["model=k3_tiny", "train.device=cpu", "data.seq_len=64", "train.global_ba
 
 def train(out_dir: Path, *overrides: str, check: bool = True, base: tuple[str, ...] | list[str] = FAST,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``env``: variables set on top of the defaults (e.g. PYTHONHASHSEED, OMP_NUM_THREADS)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "k3train.train", *base, f"train.out_dir={out_dir}", *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    """``python -m k3train.train`` (forked from a warm server where it can be: ``warm_trainer``).
+    ``env``: variables set on top of the defaults (e.g. PYTHONHASHSEED, OMP_NUM_THREADS)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    argv = [*base, f"train.out_dir={out_dir}", *overrides]
+    if can_fork(env or {}):
+        proc = run_trainer(argv, full_env, REPO, timeout=600)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "k3train.train", *argv], cwd=REPO, env=full_env,
+                              capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
 def torchrun(out_dir: Path, *overrides: str, nproc: int = 2) -> None:
-    """``launch/torchrun.sh`` on ``nproc`` gloo processes with the FAST base config."""
-    env = dict(os.environ, NPROC=str(nproc), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(["bash", str(REPO / "launch" / "torchrun.sh"), *FAST, f"train.out_dir={out_dir}",
-                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    """The trainer on ``nproc`` gloo ranks with the FAST base config, as ``launch/torchrun.sh`` starts it
+    (forked from a warm server: ``warm_trainer``; tests/test_launch.py runs the script itself)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = run_trainer([*FAST, f"train.out_dir={out_dir}", *overrides], env, REPO, nproc=nproc, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
