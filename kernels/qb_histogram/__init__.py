@@ -7,9 +7,11 @@
 
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
 * ``"triton"``: the kernel of ``triton_qb_histogram.py``, one launch with integer atomics (the
-  counts do not depend on scheduling). Under ``torch.compile`` the torch reference instead
-  (``backend.eager_or_compiled``): inductor fuses it, no custom op needed. On CPU through
-  Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported;
+  counts do not depend on scheduling). Under ``torch.compile`` through the custom op
+  ``k3::qb_histogram_add`` (``backend.eager_or_compiled``): inductor's fusion of the reference still
+  ends in aten's scatter-add, 0.139 ms against the kernel's 0.056 at bench-1B's [32768, 128] scores
+  and 1000 bins (one H200). On CPU through Triton's interpreter, which needs ``TRITON_INTERPRET=1``
+  before triton is imported;
 * ``"torch"``: ``reference.histogram_add`` (about eight kernels on the GPU: the subtractions, the
   division, floor, cast, clamp, a ones tensor and the scatter-add; what the kernel replaces).
 """
@@ -29,7 +31,18 @@ def _triton(counts, scores, cutoff, lo, width):
     kernel(counts, scores, cutoff, lo, width)
 
 
-_histogram_add = eager_or_compiled(_triton, reference.histogram_add)
+@torch.library.custom_op("k3::qb_histogram_add", mutates_args=("counts",))
+def _histogram_add_op(counts: torch.Tensor, scores: torch.Tensor, cutoff: torch.Tensor, lo: torch.Tensor,
+                      width: torch.Tensor) -> None:
+    _triton(counts, scores, cutoff, lo, width)
+
+
+@_histogram_add_op.register_fake
+def _(counts, scores, cutoff, lo, width) -> None:
+    return None
+
+
+_histogram_add = eager_or_compiled(_triton, _histogram_add_op)
 
 
 def histogram_add(counts: torch.Tensor, scores: torch.Tensor, cutoff: torch.Tensor, lo: torch.Tensor,

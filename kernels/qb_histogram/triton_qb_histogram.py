@@ -36,7 +36,7 @@ def _histogram_kernel(S, CUTOFF, LO, WIDTH, COUNTS, M, E, B, stride_sm,
     width = tl.load(WIDTH)
     x = tl.floor(tl.math.div_rn((alpha[:, None] - s) - lo, width))
     x = tl.where(x > 0.0, x, 0.0)  # also NaN → 0
-    b = tl.minimum(x, (B - 1).to(tl.float32)).to(tl.int64)
+    b = tl.minimum(x, B - 1.0).to(tl.int64)  # B - 1.0: B may come in as the constexpr 1
     tl.atomic_add(COUNTS + cols[None, :].to(tl.int64) * B + b, 1, mask=mask, sem="relaxed")  # order is moot
 
 

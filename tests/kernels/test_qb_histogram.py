@@ -128,6 +128,27 @@ def test_triton_empty_batch_adds_nothing():
     assert bool((got == 1).all())
 
 
+@triton_cpu
+def test_triton_under_compile_is_the_custom_op():
+    """Inside ``torch.compile`` the kernel runs as ``k3::qb_histogram_add`` (declared to mutate counts):
+    the compiled counts equal the reference's, twice in a row (the second call adds), and opcheck
+    passes (schema, fake impl, mutation)."""
+    n, e, b = 21, 12, 9
+    scores, cutoff, lo, width = _inputs(n, e, b, 5)
+    args = [t.to(DEV) for t in (scores, cutoff, lo, width)]
+    got = torch.zeros(e, b, dtype=torch.int64, device=DEV)
+    compiled = torch.compile(lambda c, *a: histogram_add(c, *a, backend="triton"), fullgraph=True)
+    compiled(got, *args)
+    compiled(got, *args)
+    want = torch.zeros(e, b, dtype=torch.int64)
+    for _ in range(2):
+        R.histogram_add(want, scores, cutoff, lo, width)
+    assert torch.equal(got.cpu(), want)
+    torch.library.opcheck(torch.ops.k3.qb_histogram_add.default,
+                          (torch.zeros(e, b, dtype=torch.int64, device=DEV), *args),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_triton_cpu_subprocess():
     """Runs the Triton tests above under the interpreter when this process could not."""
     rerun_under_interpreter(__file__)
