@@ -11,12 +11,13 @@ four ways from the micro-batch's ``Documents``:
   allowed pair falls in are skipped. Inductor generates the kernels: inlined into a compiled layer's
   graph (``train.compile``), or through the standalone compiled ``flex_attention`` when the layer is
   eager;
-- ``"flash"`` (packed rows on CUDA): each document as its own causal sequence through flash attention's
-  variable-length kernels (``aten._flash_attention_forward`` with ``cu_seqlens``; its autograd formula
+- ``"flash"`` (packed bf16/fp16 rows on CUDA): each document as its own causal sequence through flash
+  attention's variable-length kernels (``aten._flash_attention_forward`` with ``cu_seqlens``; its autograd formula
   gives the backward): work in Σ len², no mask. Flash attention takes one head dim for q, k and v, so v
   is zero-padded from Dv to Dqk and the output cut back;
-- otherwise (``"sdpa"``, CPU, where FlexAttention has no backward, and context-parallel shards): SDPA
-  with the dense bool mask [B, 1, Tq, Tk] (``allowed``), which costs a full T² row.
+- otherwise (``"sdpa"``, CPU, where FlexAttention has no backward, fp32 rows, which flash attention does
+  not take, and context-parallel shards): SDPA with the dense bool mask [B, 1, Tq, Tk] (``allowed``),
+  which costs a full T² row.
 
 ``DOCUMENT_ATTENTION`` selects the way for packed rows on CUDA; it is "flash". Measured end to end on one
 H200 (bench-1B, 8×4096 rows packed with documents of mean length 1024, compiled with CUDA graphs, AdamW,
@@ -42,6 +43,7 @@ from k3train.model.documents import Documents
 
 DOCUMENT_ATTENTION = "flash"  # "flash" | "flex" | "sdpa": packed rows on CUDA
 WAYS = ("sdpa", "flex", "flash")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash attention's kernels; fp32 rows take SDPA's dense mask
 _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiled at its first call
 
 
@@ -90,6 +92,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs
     if docs.block_mask is not None:
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex
         return flex(q, k, v, block_mask=docs.block_mask, scale=scale)
-    if DOCUMENT_ATTENTION == "flash" and q.is_cuda and docs.shard is None:
+    if DOCUMENT_ATTENTION == "flash" and q.is_cuda and docs.shard is None and q.dtype in FLASH_DTYPES:
         return flash_varlen_causal(q, k, v, docs.cu_seqlens, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(), scale=scale)

@@ -69,6 +69,20 @@ def test_way_matches_dense_mask_within_bf16_noise(way, bucket, monkeypatch):
         assert _rel(f, w) <= 2 * _rel(d, w) + 1e-3, (name, _rel(f, w), _rel(d, w))
 
 
+def test_flash_way_takes_fp32_rows_through_the_dense_mask(monkeypatch):
+    """flash attention has no fp32 kernels: fp32 packed rows (an fp32 run, or the fp32 reference of a
+    test) go through SDPA with the dense mask, and match it exactly, instead of failing."""
+    monkeypatch.setattr(document_attention, "DOCUMENT_ATTENTION", "flash")
+    docs = Documents.from_position_ids(_position_ids())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k = (torch.randn(B, H, T, DQK, device="cuda", generator=g) for _ in range(2))
+    v = torch.randn(B, H, T, DV, device="cuda", generator=g)
+    mask = _dense_mask(docs)
+    got = attend(q, k, v, DQK ** -0.5, docs, lambda: mask)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=DQK ** -0.5)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("way", ["flex", "flash"])
 def test_model_through_way_equals_dense_mask(way, monkeypatch):
     from k3train.config.schema import ModelConfig
