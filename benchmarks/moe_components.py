@@ -5,7 +5,7 @@
 Pieces at bench-1B MoE dims by default (E=128, k=8, ℓ=512, I=256, 16384 tokens, natural routing):
 the dispatch (sort, counts, row gather), the sort and counts alone, the row gather and the weighted
 combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference), the W13 and W2 grouped
-GEMMs and the fused SiTU-GLU; medians, ms. ``--permute-tiles 4096x4 16384x8 …`` also times the Triton
+GEMMs, the fused SiTU-GLU and Quantile Balancing's histogram update (forward only); medians, ms. ``--permute-tiles 4096x4 16384x8 …`` also times the Triton
 gather and combine at each tile (elements of a program's [tokens, k, columns] tile × warps), and
 ``--situ-tiles 2048x4 …`` the SiTU-GLU kernels at each tile (elements of a program's tile × warps).
 Each piece is captured in a CUDA graph and its replays timed (``triton.testing.do_bench_cudagraph``), so
@@ -31,6 +31,8 @@ from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher, counts_of_sorted, stable_sort  # noqa: E402
 from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # noqa: E402
+from kernels.qb_histogram import histogram_add  # noqa: E402
+from kernels.qb_histogram import reference as qb_reference  # noqa: E402
 from kernels.situ import situ_glu_packed, triton_situ  # noqa: E402
 from op_timing import graph_ms, median_ms  # noqa: E402
 
@@ -41,6 +43,20 @@ def gpu_ms(fn, graph: bool = True) -> tuple[float, str]:
     if ms is not None:
         return ms, "cuda graph"
     return median_ms(fn, "cuda", 25, 100), "do_bench (host included)"
+
+
+def qb_histogram(N: int, E: int, bins: int = 1000) -> dict[str, tuple[float, str]]:
+    """Quantile Balancing's histogram update of one micro-batch (forward only, no gradient): the Triton
+    kernel, the torch reference eagerly, and the reference compiled (what a compiled layer ran before the
+    kernel became the custom op ``k3::qb_histogram_add``; timed with ``do_bench``)."""
+    scores = torch.rand(N, E, device="cuda")
+    cutoff = torch.rand(N, device="cuda") + 0.5
+    lo, width = torch.tensor(-1.0, device="cuda"), torch.tensor(2.0 / bins, device="cuda")
+    counts = torch.zeros(E, bins, dtype=torch.int64, device="cuda")
+    compiled = torch.compile(qb_reference.histogram_add)
+    return {"QB histogram (triton)": gpu_ms(lambda: histogram_add(counts, scores, cutoff, lo, width)),
+            "QB histogram (torch)": gpu_ms(lambda: qb_reference.histogram_add(counts, scores, cutoff, lo, width)),
+            "QB histogram (torch, compiled)": gpu_ms(lambda: compiled(counts, scores, cutoff, lo, width), graph=False)}
 
 
 def main() -> None:
@@ -89,6 +105,7 @@ def main() -> None:
         "SiTU-GLU": fwd_bwd(lambda: situ_glu_packed(gate_up), gate_up),
         "grouped GEMM W2": fwd_bwd(lambda: grouped_linear(hidden, experts.w2, offsets), hidden, experts.w2),
     }
+    times.update(qb_histogram(N, E))
     for backend in ("triton", "torch"):
         times[f"dispatch rows ({backend})"] = fwd_bwd(
             lambda: dispatch_rows(z, handle.order, handle.inverse, k, backend=backend), z)
