@@ -9,9 +9,9 @@
 * ``"triton"``: the kernel of ``triton_qb_histogram.py``, one launch with integer atomics (the
   counts do not depend on scheduling). Under ``torch.compile`` through the custom op
   ``k3::qb_histogram_add`` (``backend.eager_or_compiled``): inductor's fusion of the reference still
-  ends in aten's scatter-add, 0.139 ms against the kernel's 0.056 at bench-1B's [32768, 128] scores
-  and 1000 bins (one H200). On CPU through Triton's interpreter, which needs ``TRITON_INTERPRET=1``
-  before triton is imported;
+  ends in aten's scatter-add, 0.125 ms a call in the compiled bench-1B step against the kernel's 0.062
+  ([32768, 128] scores, 1000 bins, one H200; ``benchmarks/README.md``). On CPU through Triton's
+  interpreter, which needs ``TRITON_INTERPRET=1`` before triton is imported;
 * ``"torch"``: ``reference.histogram_add`` (about eight kernels on the GPU: the subtractions, the
   division, floor, cast, clamp, a ones tensor and the scatter-add; what the kernel replaces).
 """
