@@ -8,6 +8,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from warm_trainer import preload_forkserver
 
 
 def _entry(rank: int, world: int, store: str, fn, args) -> None:
@@ -30,6 +31,10 @@ def _entry(rank: int, world: int, store: str, fn, args) -> None:
 
 
 def run_ranks(world: int, fn, *args) -> None:
-    """Spawn ``world`` gloo ranks running ``fn(rank, world, *args)``; a failure on any rank raises."""
+    """Start ``world`` gloo ranks running ``fn(rank, world, *args)``; a failure on any rank raises. The ranks
+    are forked from the warm server of ``warm_trainer`` (torch and Megatron-Core already imported), not
+    spawned: a spawned rank spends seconds importing them again."""
+    preload_forkserver()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True)
+        mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True,
+                           start_method="forkserver")

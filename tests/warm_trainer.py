@@ -36,8 +36,9 @@ FORKABLE_ENV = {"OMP_NUM_THREADS"}  # what the child can still apply after the s
 _server: dict = {}
 
 
-def _context():
-    """The forkserver context, its server's preloads set (the server starts on the first run)."""
+def preload_forkserver():
+    """The forkserver context, its server's preloads set (the server starts on the first process; every
+    ``forkserver`` context of this process shares it, e.g. ``tests/multiprocess.py``'s ranks)."""
     if not _server:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
@@ -47,7 +48,7 @@ def _context():
 
 def can_fork(extra_env: dict[str, str]) -> bool:
     """Whether a forked child would run as a fresh ``python`` with ``extra_env`` on top of os.environ."""
-    _context()
+    preload_forkserver()
     return (set(extra_env) <= FORKABLE_ENV
             and os.environ.get("TRITON_INTERPRET") == _server["triton_interpret"])
 
@@ -101,7 +102,7 @@ def run_trainer(argv: list[str], env: dict[str, str], cwd: Path, nproc: int = 1,
     does; past ``timeout`` all are killed and the status is -9."""
     import torch.distributed as dist
 
-    ctx = _context()
+    ctx = preload_forkserver()
     store = None
     if nproc > 1:
         store = dist.TCPStore("127.0.0.1", 0, nproc, True, timedelta(seconds=timeout), wait_for_workers=False)
