@@ -1,4 +1,4 @@
-"""Helpers for tests that run ``python -m k3train.train`` as a subprocess on CPU."""
+"""Helpers for tests that run ``python -m k3train.train`` in child processes on CPU (``warm_trainer``)."""
 
 from __future__ import annotations
 
