@@ -343,6 +343,7 @@ class Trainer:
         return {"expert_load_max_over_mean": float(pooled.max()), "expert_load_worst_layer": worst_layer,
                 "expert_load_per_layer": [round(v, 4) for v in pooled.tolist()],
                 "expert_load_worst_micro_batch": [round(v, 4) for v in worst.tolist()],
+                "expert_load_per_expert": (tokens / tokens.mean(1, keepdim=True).clamp(min=1e-9)).tolist(),
                 "qb_bias_range": [round(v, 5) for v in (bias.max(1).values - bias.min(1).values).tolist()], **ep}
 
     def _over_stages(self, rows: torch.Tensor) -> torch.Tensor:

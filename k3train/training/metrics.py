@@ -15,6 +15,9 @@ from pathlib import Path
 
 from k3train.config.schema import LoggingConfig
 
+# [MoE layer][expert] values that go to W&B only (a K3-size run's would make each jsonl line ~0.4 MB)
+WANDB_ONLY = ("expert_load_per_expert",)
+
 
 class MetricsLogger:
     def __init__(self, cfg: LoggingConfig, run_dir: Path, enabled: bool, run_config: dict, total_steps: int):
@@ -23,6 +26,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self._file = None
         self._wandb = None
+        self._histogram = None  # wandb.Histogram, once W&B is on
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -33,6 +37,7 @@ class MetricsLogger:
                 mode = "online" if wandb_credentials_exist() else "offline"
             import wandb
 
+            self._histogram = wandb.Histogram
             self._wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, group=cfg.wandb_group,
                                      tags=list(cfg.wandb_tags) or None, name=cfg.wandb_name, dir=str(run_dir),
                                      mode=mode, config=run_config, resume="allow", id=_wandb_id(run_dir))
@@ -41,9 +46,10 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"time": round(time.time(), 3), **record}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps({k: v for k, v in record.items() if k not in WANDB_ONLY}) + "\n")
         if self._wandb is not None:
-            self._wandb.log(_wandb_scalars(record), step=record["step"])
+            self._wandb.log({**_wandb_scalars(record), **_wandb_expert_maps(record, self._histogram)},
+                            step=record["step"])
         if self.cfg.console:
             print(format_progress(record, self.total_steps), file=sys.stdout, flush=True)
 
@@ -78,6 +84,19 @@ def _wandb_scalars(record: dict) -> dict:
             out[k] = v
         elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
             out.update({f"{k}/{i}": x for i, x in enumerate(v)})
+    return out
+
+
+def _wandb_expert_maps(record: dict, histogram) -> dict:
+    """``expert_load_per_expert`` [layer][expert] (tokens / mean) as one W&B histogram per MoE layer, key
+    ``expert_load_per_expert/i``, with bin j the load of expert j: W&B draws a layer's histograms over the
+    steps as an expert × step heat map. W&B takes at most 512 bins, so beyond 512 experts a bin holds the
+    largest load of ⌈E/512⌉ neighbouring experts."""
+    out = {}
+    for i, row in enumerate(record.get("expert_load_per_expert", [])):
+        group = -(-len(row) // histogram.MAX_LENGTH)
+        loads = [max(row[j:j + group]) for j in range(0, len(row), group)]
+        out[f"expert_load_per_expert/{i}"] = histogram(np_histogram=(loads, [j * group for j in range(len(loads) + 1)]))
     return out
 
 
