@@ -5,9 +5,10 @@
 Pieces at bench-1B MoE dims by default (E=128, k=8, ℓ=512, I=256, 16384 tokens, natural routing):
 the dispatch (sort, counts, row gather), the sort and counts alone, the row gather and the weighted
 combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference), the W13 and W2 grouped
-GEMMs, the fused SiTU-GLU and Quantile Balancing's histogram update (forward only); medians, ms. ``--permute-tiles 4096x4 16384x8 …`` also times the Triton
-gather and combine at each tile (elements of a program's [tokens, k, columns] tile × warps), and
-``--situ-tiles 2048x4 …`` the SiTU-GLU kernels at each tile (elements of a program's tile × warps).
+GEMMs, the fused SiTU-GLU and Quantile Balancing's histogram update (forward only); medians, ms.
+``--permute-tiles 4096x4 16384x8 …`` also times the Triton gather and combine at each tile (elements of a
+program's [tokens, k, columns] tile × warps), and ``--situ-tiles 2048x4 …`` the SiTU-GLU kernels at each
+tile (elements of a program's tile × warps).
 Each piece is captured in a CUDA graph and its replays timed (``triton.testing.do_bench_cudagraph``), so
 the figure is GPU time without the host's autograd and launch overhead, which ``do_bench`` alone adds to
 pieces this small; a piece that cannot be captured (one that reads back to the host, e.g.

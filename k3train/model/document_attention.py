@@ -12,8 +12,8 @@ four ways from the micro-batch's ``Documents``:
   graph (``train.compile``), or through the standalone compiled ``flex_attention`` when the layer is
   eager;
 - ``"flash"`` (packed bf16/fp16 rows on CUDA): each document as its own causal sequence through flash
-  attention's variable-length kernels (``aten._flash_attention_forward`` with ``cu_seqlens``; its autograd formula
-  gives the backward): work in Σ len², no mask. Flash attention takes one head dim for q, k and v, so v
+  attention's variable-length kernels (``aten._flash_attention_forward`` with ``cu_seqlens``; its autograd
+  formula gives the backward): work in Σ len², no mask. Flash attention takes one head dim for q, k and v, so v
   is zero-padded from Dv to Dqk and the output cut back;
 - otherwise (``"sdpa"``, CPU, where FlexAttention has no backward, fp32 rows, which flash attention does
   not take, and context-parallel shards): SDPA with the dense bool mask [B, 1, Tq, Tk] (``allowed``),

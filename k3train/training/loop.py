@@ -338,12 +338,13 @@ class Trainer:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.groups.dp_cp)
         bias = torch.stack([layer.gate.e_score_correction_bias for layer in moe]) if moe else tokens.new_zeros(0, E)
         tokens, worst, bias = (self._over_stages(t.float()) for t in (tokens, worst, bias))
-        pooled = tokens.max(1).values / tokens.mean(1).clamp(min=1e-9)
+        share = tokens / tokens.mean(1, keepdim=True).clamp(min=1e-9)  # [layer, expert] load over the mean
+        pooled = share.max(1).values
         worst_layer = self.moe_layer_ids[int(pooled.argmax())]
         return {"expert_load_max_over_mean": float(pooled.max()), "expert_load_worst_layer": worst_layer,
                 "expert_load_per_layer": [round(v, 4) for v in pooled.tolist()],
                 "expert_load_worst_micro_batch": [round(v, 4) for v in worst.tolist()],
-                "expert_load_per_expert": (tokens / tokens.mean(1, keepdim=True).clamp(min=1e-9)).tolist(),
+                "expert_load_per_expert": share.tolist(),
                 "qb_bias_range": [round(v, 5) for v in (bias.max(1).values - bias.min(1).values).tolist()], **ep}
 
     def _over_stages(self, rows: torch.Tensor) -> torch.Tensor:
