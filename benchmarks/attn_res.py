@@ -14,8 +14,10 @@ must match the reference (out and dv_0 within 1e-5 of their largest magnitude).
 ``--norm`` times the whole site instead: the mix read through its RMSNorm into bf16 (as under autocast),
 the kernels with the norm fused ("fused": ``attn_res_rms_norm``, the mix never stored) against the
 AttnRes kernel followed by the RMSNorm kernel ("two kernels": the fp32 mix written and read back)
-and the torch reference; ideal bytes count y and dy in bf16. ``--bwd-programs`` sweeps the backward's
-programs per SM.
+and the torch reference; ideal bytes count y and dy in bf16. ``--passed`` adds the fused site as the
+model runs it ("fused, passed": ``attn_res_site`` passing all S sources on, each with a gradient from
+later readers that its backward adds in the kernel; S more fp32 reads backward). ``--bwd-programs``
+sweeps the backward's programs per SM.
 ``--small`` (64 tokens, d 96) is a dry run that also works on CPU (Triton through its interpreter
 when TRITON_INTERPRET=1).
 """
@@ -31,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-from kernels.attn_res import attn_res_aggregate, attn_res_rms_norm, triton_attn_res  # noqa: E402
+from kernels.attn_res import attn_res_aggregate, attn_res_rms_norm, attn_res_site, triton_attn_res  # noqa: E402
 from kernels.rms_norm import rms_norm  # noqa: E402
 from op_timing import graph_ms, held_mib, median_ms  # noqa: E402
 
@@ -46,8 +48,11 @@ NORM_EPS = 1e-6
 
 
 def site(backend: str, norm: bool):
-    """The op timed: (sources, w, γ, norm weight) → out; with ``norm``, backend "fused" or "two kernels"
-    (Triton) or "torch"."""
+    """The op timed: (sources, w, γ, norm weight) → out, or (out, *passed sources) for "fused, passed";
+    with ``norm``, backend "fused", "fused, passed" or "two kernels" (Triton) or "torch"."""
+    if backend == "fused, passed":
+        return lambda sources, w, gain, nw: (lambda out, passed: (out, *passed))(
+            *attn_res_site(sources, w, gain, nw, NORM_EPS, torch.bfloat16, len(sources), backend="triton"))
     if not norm:
         return lambda sources, w, gain, nw: attn_res_aggregate(sources, w, gain, backend=backend)
     if backend == "two kernels":
@@ -71,15 +76,22 @@ def measure(S: int, tokens: int, d: int, backend: str, norm: bool, device: str, 
     def fwd():
         return op(sources, w, gain, nw)
 
+    later = [torch.randn(tokens, d, device=device, generator=g) for _ in range(S)]  # the passed sources' gradients
+
     def fwd_bwd():
-        torch.autograd.grad(fwd(), leaves, go)
+        out = fwd()
+        if isinstance(out, tuple):
+            torch.autograd.grad(out, leaves, (go, *later))
+        else:
+            torch.autograd.grad(out, leaves, go)
 
     held = held_mib(fwd, device)
     with torch.no_grad():
         t_fwd = gpu_time_ms(fwd, device, warmup, rep)
     t_fb = gpu_time_ms(fwd_bwd, device, warmup, rep)
     out_bytes = 2 if norm else 4
-    fwd_bytes, bwd_bytes = (S * 4 + out_bytes) * tokens * d, (2 * S * 4 + out_bytes) * tokens * d
+    passed_reads = S * 4 if backend == "fused, passed" else 0
+    fwd_bytes, bwd_bytes = (S * 4 + out_bytes) * tokens * d, (2 * S * 4 + passed_reads + out_bytes) * tokens * d
     return {"S": S, "backend": backend, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
             "fwd_GBps": fwd_bytes / t_fwd / 1e6, "fwd_bwd_GBps": (fwd_bytes + bwd_bytes) / t_fb / 1e6,
             "held_MiB": held}
@@ -116,6 +128,7 @@ def main() -> None:
                         "2x8x1024), each for both kernels; default: the kernels' own per-S choice "
                         "(kernels/attn_res/triton_attn_res.py gpu_tile)")
     p.add_argument("--norm", action="store_true", help="time the site with its RMSNorm: fused, two kernels, torch")
+    p.add_argument("--passed", action="store_true", help="with --norm, also the site passing its sources on")
     p.add_argument("--bwd-programs", type=int, nargs="+", default=[None], metavar="P",
                    help="backward programs per SM to sweep (default: the kernels' own)")
     p.add_argument("--small", action="store_true", help="64 tokens, d 96, 2 reps: a dry run")
@@ -126,7 +139,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles] if args.tiles else [None]
     rows = []
-    kernels = ["fused", "two kernels"] if args.norm else ["triton"]
+    kernels = (["fused", "two kernels"] + (["fused, passed"] if args.passed else [])) if args.norm else ["triton"]
     for S in args.sources:
         rows.append(measure(S, args.tokens, args.dim, "torch", args.norm, device, args.warmup, args.rep))
         check(S, args.tokens, args.dim, args.norm, device)

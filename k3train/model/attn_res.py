@@ -13,6 +13,10 @@ Every site reads its mix through an RMSNorm (x_a = RMSNorm_in(Agg), x_m = RMSNor
 h = RMSNorm_final(Agg_out)); the aggregator applies the norm it is given, fused into the same
 kernels (``kernels.attn_res.attn_res_rms_norm``: Agg is never written), so that one call is the
 whole site, the unit that activation recompute (``train.recompute=attn_res``) replays.
+
+A site passes on the sources that later sites read again (``pass_through``), so that the fp32
+gradients of a bank row or of P are summed inside the sites' backward kernels, each adding what
+came from later into its own, rather than by autograd between them (docs/kernels_attn_res.md).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch import nn
 
 from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.model.norm import RMSNorm
-from kernels.attn_res import attn_res_rms_norm
+from kernels.attn_res import attn_res_site
 
 
 class AttnResAggregator(nn.Module):
@@ -35,7 +39,10 @@ class AttnResAggregator(nn.Module):
         self.proj = set_role(nn.Parameter(torch.zeros(1, dim)), ParamRole(Kind.PSEUDO_QUERY, keep_fp32=True))
         self.norm = set_role(nn.Parameter(torch.ones(dim)), ParamRole(Kind.NORM, keep_fp32=True))
 
-    def forward(self, sources: list[torch.Tensor], out_norm: RMSNorm) -> torch.Tensor:
-        """S sources [B, T, d] → out_norm(Agg(sources)) [B, T, d]."""
-        return attn_res_rms_norm(sources, self.proj, self.norm, out_norm.weight, out_norm.eps,
-                                 out_norm.output_dtype(sources[0]))
+    def forward(self, sources: list[torch.Tensor], out_norm: RMSNorm, pass_through: int = 0
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """S sources [B, T, d] → (out_norm(Agg(sources)) [B, T, d], the last ``pass_through`` sources
+        passed through the site: later readers read these, so the site's backward kernel adds their
+        gradients to its own; ``kernels.attn_res.attn_res_site``)."""
+        return attn_res_site(sources, self.proj, self.norm, out_norm.weight, out_norm.eps,
+                             out_norm.output_dtype(sources[0]), pass_through)

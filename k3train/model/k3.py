@@ -91,7 +91,7 @@ class K3Model(nn.Module):
     def head(self, bank: list[torch.Tensor], partial: torch.Tensor, labels: torch.Tensor | None = None,
              loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Output AttnRes over B ∪ [P], final norm, LM head; the mean token loss when labels are given."""
-        h = self.output_attn_res(bank + [partial], self.norm)
+        h, _ = self.output_attn_res([*bank, partial], self.norm)
         logits = self.lm_head(h)
         if labels is None:
             return logits

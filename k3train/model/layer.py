@@ -47,11 +47,12 @@ class K3Layer(nn.Module):
 
     def forward(self, bank: list[torch.Tensor], partial: torch.Tensor, docs: Documents
                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        x_a = self.self_attention_res(bank + [partial], self.input_layernorm)
+        # every site passes all its sources on (AttnResAggregator): their gradients add up in its backward
+        x_a, (*bank, partial) = self.self_attention_res([*bank, partial], self.input_layernorm, len(bank) + 1)
         if self.writes_block:
-            bank = bank + [partial]
+            bank = [*bank, partial]
             partial = self.self_attn(x_a, docs).float()
         else:
             partial = partial + self.self_attn(x_a, docs)  # fp32 + bf16 → fp32: one kernel, exact
-        x_m = self.mlp_res(bank + [partial], self.post_attention_layernorm)
+        x_m, (*bank, partial) = self.mlp_res([*bank, partial], self.post_attention_layernorm, len(bank) + 1)
         return bank, partial + self.mlp(x_m)

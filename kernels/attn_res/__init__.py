@@ -3,6 +3,7 @@ with the RMSNorm that reads the mix fused in.
 
     x = attn_res_aggregate(sources, query, gain)                       # S × [..., d], w, γ [d] → [..., d]
     y = attn_res_rms_norm(sources, query, gain, weight, eps, out_dtype)   # RMSNorm(x)·weight
+    y, passed = attn_res_site(sources, query, gain, weight, eps, out_dtype, pass_through=n)
 
 x = Σ_i softmax_i((w ⊙ γ) · v_i / rms(v_i)) · v_i in fp32, returned in the sources' dtype (math and
 gradients in ``reference.py``); y = x/√(mean(x²) + eps) ⊙ weight in fp32, stored in ``out_dtype``
@@ -15,10 +16,14 @@ gradients in ``reference.py``); y = x/√(mean(x²) + eps) ⊙ weight in fp32, s
   a_i ([..., S] fp32), and q̃ = w ⊙ γ; the gradients of w and γ follow from dq̃ by torch autograd.
   With the norm, x is never stored: the forward writes y alone and the backward rebuilds x from
   the sources it reads anyway, so a site moves two fewer fp32 [..., d] tensors each way.
-  Eagerly an autograd.Function that launches the kernels directly; under ``torch.compile`` a
-  ``torch.library`` custom op (``k3::attn_res``, its backward ``k3::attn_res_backward``) with fake
-  shapes, so that inductor keeps it inside its graphs (``backend.eager_or_compiled``). On CPU through Triton's
-  interpreter (``TRITON_INTERPRET=1`` before triton is imported);
+  ``attn_res_site`` also returns its last n sources as outputs of the op ("passed"): whoever reads
+  a source after this site reads the passed one, so the gradient of those reads comes into this
+  site's backward kernel, which adds it to its own (read once) instead of autograd adding the two
+  fp32 [..., d] gradients in a kernel of its own (read twice, written once).
+  An autograd.Function that launches the kernels directly; under ``torch.compile`` it calls them as
+  ``torch.library`` custom ops (``k3::attn_res``, ``k3::attn_res_backward``) with fake shapes, so that
+  inductor keeps them inside its graphs. On CPU through Triton's interpreter (``TRITON_INTERPRET=1``
+  before triton is imported);
 * ``"torch"``: ``reference.attn_res_forward`` (then ``kernels.rms_norm``'s torch path),
   differentiated by torch autograd.
 """
@@ -30,12 +35,12 @@ import warnings
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..backend import eager_or_compiled, use_triton
+from ..backend import use_triton
 from ..rms_norm import rms_norm
 from . import reference
 from .triton_attn_res import MAX_SOURCES
 
-__all__ = ["MAX_SOURCES", "attn_res_aggregate", "attn_res_rms_norm"]
+__all__ = ["MAX_SOURCES", "attn_res_aggregate", "attn_res_rms_norm", "attn_res_site"]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -43,28 +48,53 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1, x.shape[-1])
 
 
-class _AttnResAggregate(torch.autograd.Function):
-    """(q̃, norm weight or None, norm eps, out dtype or None, *sources) → x or y."""
+def _launch_forward(qt, sources, norm_weight, norm_eps, out_dtype):
+    """(out [..., d], r, a [M, S] fp32): the kernel launched directly, or as the custom op while dynamo traces."""
+    if torch.compiler.is_compiling():
+        return _attn_res(qt, sources, norm_weight, norm_eps, out_dtype)
+    from .triton_attn_res import attn_res_fwd
+    out, r, a = attn_res_fwd([_rows(v) for v in sources], qt, norm_weight, norm_eps, out_dtype)
+    return out.view(sources[0].shape), r, a
+
+
+def _launch_backward(sources, qt, grad_out, r, a, norm_weight, norm_eps, grad_in):
+    """(dq̃, the norm weight's gradient or None, dv_i with grad_in_i added), as ``_launch_forward``."""
+    if torch.compiler.is_compiling():
+        dqt, dnw, dvs = _attn_res_backward(sources, qt, grad_out, r, a, norm_weight, norm_eps, grad_in)
+        return dqt, None if norm_weight is None else dnw, dvs
+    from .triton_attn_res import attn_res_bwd
+    dvs, dqt, dnw = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a, norm_weight, norm_eps,
+                                 [None if g is None else _rows(g) for g in grad_in])
+    return dqt, dnw, [dv.view(v.shape) for dv, v in zip(dvs, sources)]
+
+
+class _AttnRes(torch.autograd.Function):
+    """(q̃, norm weight or None, norm eps, out dtype or None, pass_through, *sources) →
+    (x or y, *the last ``pass_through`` sources). Those come back as outputs of this op, so the
+    gradients later readers send them arrive in its backward, which adds each into its own dv_i in the
+    kernel; autograd has nothing left to sum for them. Under ``torch.compile`` its forward and
+    backward run the kernels as the custom ops below (dynamo traces this Function into the graph)."""
 
     @staticmethod
-    def forward(ctx, qt, norm_weight, norm_eps, out_dtype, *sources):
-        from .triton_attn_res import attn_res_fwd
-        out, r, a = attn_res_fwd([_rows(v) for v in sources], qt, norm_weight, norm_eps, out_dtype)
+    def forward(ctx, qt, norm_weight, norm_eps, out_dtype, pass_through, *sources):
+        out, r, a = _launch_forward(qt, list(sources), norm_weight, norm_eps, out_dtype)
         ctx.save_for_backward(qt, norm_weight, r, a, *sources)
-        ctx.norm_eps = norm_eps
-        return out.view(sources[0].shape)
+        ctx.norm_eps, ctx.pass_through = norm_eps, pass_through
+        ctx.set_materialize_grads(False)  # a passed source nobody reads brings no gradient: nothing to add
+        return (out, *sources[len(sources) - pass_through:])
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
-        from .triton_attn_res import attn_res_bwd
+    def backward(ctx, grad_out, *grad_passed):
         qt, norm_weight, r, a, *sources = ctx.saved_tensors
-        dvs, dqt, dnw = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a, norm_weight,
-                                     ctx.norm_eps)
-        return (dqt, dnw, None, None, *(dv.view(v.shape) for dv, v in zip(dvs, sources)))
+        grad_out = torch.zeros_like(sources[0]) if grad_out is None else grad_out.contiguous()
+        grad_in = [None] * (len(sources) - ctx.pass_through) + [
+            None if g is None else g.contiguous() for g in grad_passed]
+        dqt, dnw, dvs = _launch_backward(sources, qt, grad_out, r, a, norm_weight, ctx.norm_eps, grad_in)
+        return (dqt, dnw, None, None, None, *dvs)
 
 
-# Under torch.compile: the same kernels as custom ops.
+# Under torch.compile: the kernels as custom ops (autograd is _AttnRes's).
 @torch.library.custom_op("k3::attn_res", mutates_args=())
 def _attn_res(qt: torch.Tensor, sources: list[torch.Tensor], norm_weight: torch.Tensor | None, norm_eps: float,
               out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,38 +113,19 @@ def _attn_res_fake(qt, sources, norm_weight, norm_eps, out_dtype):
 
 @torch.library.custom_op("k3::attn_res_backward", mutates_args=())
 def _attn_res_backward(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.Tensor, r: torch.Tensor,
-                       a: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(dq̃, the norm weight's gradient (empty without the norm: a custom op returns tensors), dv_i)."""
+                       a: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float,
+                       grad_in: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq̃, the norm weight's gradient (empty without the norm: a custom op returns tensors), dv_i + grad_in_i)."""
     from .triton_attn_res import attn_res_bwd
-    dvs, dqt, dnw = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a, norm_weight, norm_eps)
+    dvs, dqt, dnw = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a, norm_weight, norm_eps,
+                                 [None if g is None else _rows(g) for g in grad_in])
     return dqt, qt.new_empty(0) if dnw is None else dnw, [dv.view(v.shape) for dv, v in zip(dvs, sources)]
 
 
 @_attn_res_backward.register_fake
-def _attn_res_backward_fake(sources, qt, grad_out, r, a, norm_weight, norm_eps):
+def _attn_res_backward_fake(sources, qt, grad_out, r, a, norm_weight, norm_eps, grad_in):
     dnw = qt.new_empty(0) if norm_weight is None else torch.empty_like(norm_weight)
     return torch.empty_like(qt), dnw, [v.new_empty(v.shape) for v in sources]
-
-
-def _setup_context(ctx, inputs, output):
-    qt, sources, norm_weight, norm_eps, _ = inputs
-    _, r, a = output
-    ctx.save_for_backward(qt, norm_weight, r, a, *sources)
-    ctx.norm_eps = norm_eps
-
-
-def _backward(ctx, grad_out, _grad_r, _grad_a):
-    qt, norm_weight, r, a, *sources = ctx.saved_tensors
-    dqt, dnw, dvs = _attn_res_backward(sources, qt, grad_out.contiguous(), r, a, norm_weight, ctx.norm_eps)
-    return dqt, dvs, None if norm_weight is None else dnw, None, None
-
-
-_attn_res.register_autograd(_backward, setup_context=_setup_context)
-
-_aggregate = eager_or_compiled(
-    lambda qt, sources, nw, eps, dtype: _AttnResAggregate.apply(qt, nw, eps, dtype, *sources),
-    lambda qt, sources, nw, eps, dtype: _attn_res(qt, sources, nw, eps, dtype)[0])
 
 
 def _triton_sources(sources: list[torch.Tensor], backend: str) -> bool:
@@ -144,7 +155,7 @@ def attn_res_aggregate(sources: list[torch.Tensor], query: torch.Tensor, gain: t
     """Softmax-over-depth mix of ``sources`` (S tensors [..., d] of one shape, dtype and device)
     with pseudo-query ``query`` (d elements, e.g. [1, d]) and gain ``gain`` [d] → [..., d]."""
     if _triton_sources(sources, backend):
-        return _aggregate(_query(query, gain), list(sources), None, 0.0, None)
+        return _AttnRes.apply(_query(query, gain), None, 0.0, None, 0, *sources)[0]
     return reference.attn_res_forward(sources, query, gain)
 
 
@@ -153,10 +164,27 @@ def attn_res_rms_norm(sources: list[torch.Tensor], query: torch.Tensor, gain: to
                       backend: str = "auto") -> torch.Tensor:
     """``rms_norm(attn_res_aggregate(sources, query, gain), norm_weight, norm_eps, out_dtype)`` [..., d]
     in ``out_dtype`` (default the sources' dtype); on the Triton path, one kernel each way."""
+    return attn_res_site(sources, query, gain, norm_weight, norm_eps, out_dtype, 0, backend)[0]
+
+
+def attn_res_site(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
+                  norm_weight: torch.Tensor, norm_eps: float, out_dtype: torch.dtype | None = None,
+                  pass_through: int = 0, backend: str = "auto") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(``attn_res_rms_norm(sources, …)``, the last ``pass_through`` sources passed through the op).
+
+    The passed sources hold the same values; a caller reads them instead of the originals from here on.
+    On the Triton path the gradients those later reads produce then enter this site's backward, which
+    adds them into its own source gradients in the kernel, so autograd sums nothing for them (the torch
+    path returns the originals, and autograd sums as usual)."""
     d = sources[0].shape[-1]
     if norm_weight.shape != (d,):
         raise ValueError(f"the norm weight {tuple(norm_weight.shape)} must be [{d}], the sources' last dim")
+    if not 0 <= pass_through <= len(sources):
+        raise ValueError(f"pass_through={pass_through}: pass 0..{len(sources)} of the {len(sources)} sources")
     if _triton_sources(sources, backend):
-        return _aggregate(_query(query, gain), list(sources), norm_weight, float(norm_eps), out_dtype)
-    return rms_norm(reference.attn_res_forward(sources, query, gain), norm_weight, norm_eps, out_dtype,
-                    backend=backend)
+        out, *passed = _AttnRes.apply(_query(query, gain), norm_weight, float(norm_eps), out_dtype, pass_through,
+                                      *sources)
+        return out, passed
+    out = rms_norm(reference.attn_res_forward(sources, query, gain), norm_weight, norm_eps, out_dtype,
+                   backend=backend)
+    return out, list(sources[len(sources) - pass_through:])

@@ -21,7 +21,8 @@ the first re-reads rows this program has just read, so mostly from cache.
   last one writes y = x·n ⊙ w_n instead (x itself is never stored).
 * backward: pass 1 reads g = ∂L/∂x and every v_i once for c_i = g · v_i and p_i = q̃ · v_i, forming
   dl_i = a_i (c_i − Σ_j a_j c_j); pass 2 re-reads them and writes
-  dv_i = a_i g + dl_i r_i q̃ − dl_i (r_i³/d) p_i v_i and adds Σ_i dl_i r_i v_i to dq̃. With ``NORM``
+  dv_i = a_i g + dl_i r_i q̃ − dl_i (r_i³/d) p_i v_i (plus, for the sources flagged in ``GRAD_IN``, the
+  gradient they already have, read from GI_i) and adds Σ_i dl_i r_i v_i to dq̃. With ``NORM``
   the kernel reads dy = ∂L/∂y instead of g and rebuilds x from the sources in both passes:
   g = n (w_n ⊙ dy) − n³ (x · (w_n ⊙ dy)/d) x, so c_i = n (w_n ⊙ dy) · v_i − n³ (x · (w_n ⊙ dy)/d) (x · v_i),
   and dw_n gets Σ_tokens dy ⊙ x n.
@@ -161,10 +162,11 @@ def _attn_res_fwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, NW, O, R, A, M, D, e
 
 @triton.jit
 def _attn_res_bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7,
-                         Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
-                         S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr,
+                         GI0, GI1, GI2, GI3, GI4, GI5, GI6, GI7, Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
+                         S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr, GRAD_IN: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """G is ∂L/∂x, or ∂L/∂y with NORM; DQ (and DNW) are [programs, D] fp32 buffers of zeros (added into)."""
+    """G is ∂L/∂x, or ∂L/∂y with NORM; DQ (and DNW) are [programs, D] fp32 buffers of zeros (added into).
+    Bit i of GRAD_IN: GI_i holds a gradient that source i already has, added into DV_i."""
     pid = tl.program_id(0)
     scol = tl.arange(0, S_PAD)[None, :]
     dq_row = DQ + pid.to(tl.int64) * D
@@ -222,6 +224,8 @@ def _attn_res_bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4
                 v = _load(_pick(i, V0, V1, V2, V3, V4, V5, V6, V7), offs, mask)
                 cq = _column(coef_q, scol, i)[:, None]
                 dv = _column(a, scol, i)[:, None] * g + cq * q - _column(coef_v, scol, i)[:, None] * v
+                if (GRAD_IN >> i) & 1:
+                    dv += _load(_pick(i, GI0, GI1, GI2, GI3, GI4, GI5, GI6, GI7), offs, mask)
                 DVi = _pick(i, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7)
                 tl.store(DVi + offs, dv.to(DVi.dtype.element_ty), mask=mask)
                 dq += tl.sum(cq * v, axis=0)
@@ -301,8 +305,8 @@ def _attn_res_fwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, NW, O, R, A, M,
 
 @triton.jit
 def _attn_res_bwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7,
-                              Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
-                              S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr,
+                              GI0, GI1, GI2, GI3, GI4, GI5, GI6, GI7, Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
+                              S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr, GRAD_IN: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """The backward for rows that fit one tile: every source and G read once; this program's dq̃ (and
     dw_n) summed in registers over its token blocks and written once to its row of DQ (DNW)."""
@@ -340,6 +344,8 @@ def _attn_res_bwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3
             vi = _pick(i, v0, v1, v2, v3, v4, v5, v6, v7)
             cq = _column(coef_q, scol, i)[:, None]
             dv = _column(a, scol, i)[:, None] * g + cq * q - _column(coef_v, scol, i)[:, None] * vi
+            if (GRAD_IN >> i) & 1:
+                dv += _load(_pick(i, GI0, GI1, GI2, GI3, GI4, GI5, GI6, GI7), offs, mask)
             DVi = _pick(i, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7)
             tl.store(DVi + offs, dv.to(DVi.dtype.element_ty), mask=mask)
             dq += tl.sum(cq * vi, axis=0)
@@ -410,11 +416,15 @@ def attn_res_fwd(sources: list[torch.Tensor], qt: torch.Tensor, norm_weight: tor
 
 def attn_res_bwd(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.Tensor,
                  r: torch.Tensor, a: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                 norm_eps: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+                 norm_eps: float = 0.0, grad_in: list[torch.Tensor | None] | None = None
+                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """Gradients of ``attn_res_fwd``'s out (``grad_out``, a contiguous [M, d] in any float dtype):
-    (dv_i [M, d] in the sources' dtype, dq̃ [d] fp32, the norm weight's gradient in its dtype or None)."""
+    (dv_i [M, d] in the sources' dtype, dq̃ [d] fp32, the norm weight's gradient in its dtype or None).
+    ``grad_in``: per source, None or a contiguous [M, d] gradient it already has from elsewhere, added
+    into its dv_i in the kernel (one read instead of a separate add's two reads and a write)."""
     M, D = sources[0].shape
     dvs = [torch.empty_like(v) for v in sources]
+    grad_in = grad_in or [None] * len(sources)
     if M * D == 0:
         zeros = torch.zeros(D, dtype=torch.float32, device=qt.device)
         return dvs, zeros, None if norm_weight is None else zeros.to(norm_weight.dtype)
@@ -425,7 +435,9 @@ def attn_res_bwd(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.
     dnw_parts = dq_parts if norm_weight is None else parts((n, D), dtype=torch.float32, device=qt.device)
     nw = qt if norm_weight is None else norm_weight
     kernel = _attn_res_bwd_rows_kernel if rows else _attn_res_bwd_kernel
-    kernel[(n,)](*_slots(sources), *_slots(dvs), qt, nw, grad_out, r, a, dq_parts, dnw_parts,
-                 M, D, norm_eps, NORM=norm_weight is not None, **meta)
+    has_in = sum(1 << i for i, gi in enumerate(grad_in) if gi is not None)
+    kernel[(n,)](*_slots(sources), *_slots(dvs), *_slots([v if gi is None else gi for v, gi in zip(sources, grad_in)]),
+                 qt, nw, grad_out, r, a, dq_parts, dnw_parts, M, D, norm_eps, NORM=norm_weight is not None,
+                 GRAD_IN=has_in, **meta)
     dnw = None if norm_weight is None else dnw_parts.sum(0).to(norm_weight.dtype)
     return dvs, dq_parts.sum(0), dnw

@@ -17,7 +17,7 @@ from triton_cpu import rerun_under_interpreter, triton_cpu
 import k3train.model.attn_res as model_attn_res
 from k3train.config.schema import ModelConfig
 from k3train.model.k3 import K3Model
-from kernels.attn_res import MAX_SOURCES, attn_res_aggregate, attn_res_rms_norm
+from kernels.attn_res import MAX_SOURCES, attn_res_aggregate, attn_res_rms_norm, attn_res_site
 from kernels.attn_res import reference as R
 from kernels.rms_norm import reference as rms_reference
 
@@ -138,7 +138,7 @@ def test_triton_kernels(S, shape):
     sources, w, gain, go = random_inputs(S, shape, seed=10 + S)
     kernel = functools.partial(attn_res_aggregate, backend="triton")
     out, grads = _fwd_bwd(kernel, _leaves(sources, dtype=torch.float32), w.float(), gain.float(), go)
-    assert type(out.grad_fn).__name__.startswith("_AttnResAggregate")
+    assert type(out.grad_fn).__name__.startswith("_AttnRes")
     assert out.shape == shape
     _check_against_reference(sources, w, gain, go, out, grads)
 
@@ -179,7 +179,7 @@ def _check_site_with_norm(S: int, shape: tuple[int, ...], out_dtype: torch.dtype
     want = _fwd_bwd(functools.partial(site, backend="torch", out_dtype=None), [*sources, nw], w, gain, go)
     got = _fwd_bwd(functools.partial(site, backend="triton", out_dtype=out_dtype),
                    _leaves([*sources, nw], dtype=torch.float32), w.float(), gain.float(), go)
-    assert type(got[0].grad_fn).__name__.startswith("_AttnResAggregate")
+    assert type(got[0].grad_fn).__name__.startswith("_AttnRes")
     assert got[0].dtype == out_dtype and all(g.dtype == torch.float32 for g in got[1])
     y_tol = 2.0**-7 if out_dtype == torch.bfloat16 else 4 * RTOL  # one bf16 rounding of y (the interpreter truncates)
     names = [f"dv[{i}]" for i in range(S)] + ["dw_n", "dw", "dgain"]
@@ -228,11 +228,11 @@ def test_triton_model_equals_reference_path(monkeypatch):
     want, want_grads = loss_and_grads()
     calls = []
 
-    def kernel(sources, query, gain, norm_weight, norm_eps, out_dtype):
+    def kernel(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through):
         calls.append(len(sources))
-        return attn_res_rms_norm(sources, query, gain, norm_weight, norm_eps, out_dtype, backend="triton")
+        return attn_res_site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through, backend="triton")
 
-    monkeypatch.setattr(model_attn_res, "attn_res_rms_norm", kernel)
+    monkeypatch.setattr(model_attn_res, "attn_res_site", kernel)
     got, got_grads = loss_and_grads()
     assert len(calls) == 2 * ModelConfig().num_layers + 1 and max(calls) == 4
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -244,14 +244,46 @@ def test_triton_model_equals_reference_path(monkeypatch):
 
 @triton_cpu
 def test_triton_custom_op_registration():
-    """k3::attn_res's schema, fake shapes and autograd registration (what torch.compile relies on)
-    agree with the kernels, here at 3 sources, without the norm and with it (bf16 out)."""
-    sources, w, gain, _ = random_inputs(3, (2, 5, 96), seed=4)
+    """k3::attn_res's and k3::attn_res_backward's schemas and fake shapes (what torch.compile relies on)
+    agree with the kernels, here at 3 sources, without the norm and with it (bf16 out), the backward
+    with an incoming gradient for two of the sources."""
+    sources, w, gain, go = random_inputs(3, (2, 5, 96), seed=4)
+    sources = [v.float().to(DEV) for v in sources]
     qt = (w.view(-1) * gain).float().contiguous().to(DEV)  # on the sources' device
     nw = (torch.rand(96) + 0.5).to(DEV)
-    for norm in [(None, 0.0, None), (nw.requires_grad_(), 1e-6, torch.bfloat16)]:
-        torch.library.opcheck(torch.ops.k3.attn_res,
-                              (qt.clone().requires_grad_(), _leaves(sources, dtype=torch.float32), *norm))
+    for norm in [(None, 0.0, None), (nw, 1e-6, torch.bfloat16)]:
+        torch.library.opcheck(torch.ops.k3.attn_res, (qt, sources, *norm))
+        out, r, a = torch.ops.k3.attn_res(qt, sources, *norm)
+        grad_in = [None, sources[0] * 0.5, sources[2] + 1.0]
+        torch.library.opcheck(torch.ops.k3.attn_res_backward,
+                              (sources, qt, go.to(out).contiguous(), r, a, norm[0], norm[1], grad_in))
+
+
+@triton_cpu
+@pytest.mark.parametrize("S, shape, passed", [(3, (2, 5, 96), 3), (4, (13, 96), 1), (2, (3, 1000), 2)])
+def test_passed_sources_carry_later_gradients(S, shape, passed):
+    """attn_res_site with pass_through: a later use of the passed sources (here a second site and a
+    product with fixed random tensors) sends its gradient into this site's backward, which adds it in
+    the kernel. Every source's gradient equals the torch path's, where autograd sums the two."""
+    sources, w, gain, go = random_inputs(S, shape, seed=40 + S)
+    nw = torch.rand(shape[-1], generator=torch.Generator().manual_seed(S), dtype=torch.float64) + 0.5
+    weights = [torch.randn(shape, generator=torch.Generator().manual_seed(50 + i), dtype=torch.float64)
+               for i in range(S)]
+
+    def use(sources_, w_, gain_, backend):
+        y, kept = attn_res_site(sources_, w_, gain_, nw.to(sources_[0]), 1e-6, None, passed, backend=backend)
+        assert len(kept) == passed and all(torch.equal(k, v) for k, v in zip(kept, sources_[S - passed:]))
+        later = attn_res_rms_norm(sources_[:S - passed] + kept, w_ * 0.5, gain_, nw.to(sources_[0]), 1e-6,
+                                  backend=backend)
+        return y + later + sum(k * c.to(k) for k, c in zip(kept, weights[S - passed:]))
+
+    want = _fwd_bwd(functools.partial(use, backend="torch"), sources, w, gain, go)
+    got = _fwd_bwd(functools.partial(use, backend="triton"), _leaves(sources, dtype=torch.float32), w.float(),
+                   gain.float(), go)
+    for i, (x, ref) in enumerate(zip([got[0], *got[1]], [want[0], *want[1]])):
+        scale = float(ref.abs().max())
+        err = float((x.detach().cpu().double() - ref.detach().cpu()).abs().max())
+        assert err <= 10 * RTOL * scale, f"tensor {i}: max err {err:.3g} of {scale:.3g}"
 
 
 def test_triton_cpu_subprocess():

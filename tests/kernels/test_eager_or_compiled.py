@@ -42,7 +42,8 @@ def _graph_ops(fn, *args) -> tuple[list[str], object]:
     seen: list[str] = []
 
     def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        seen.extend(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)  # with the
+                    for n in m.graph.nodes if n.op == "call_function")  # subgraphs of traced autograd.Functions
         return gm.forward
 
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
@@ -87,9 +88,9 @@ def _cases():
         "short_conv": (lambda x, w: causal_conv_with_resets(x, w, pos, backend="triton"), (r(1, 8, 24), r(24, 1, 4)),
                        "_CausalConvWithResets", "k3.short_conv"),
         "attn_res": (lambda a, b, q, gain: attn_res_aggregate([a, b], q, gain, backend="triton"),
-                     (r(2, 5, 32), r(2, 5, 32), r(1, 32), r(32)), "_AttnResAggregate", "k3.attn_res"),
+                     (r(2, 5, 32), r(2, 5, 32), r(1, 32), r(32)), "_AttnRes", "k3.attn_res"),
         "attn_res_rms_norm": (lambda a, b, q, gain, nw: attn_res_rms_norm([a, b], q, gain, nw, 1e-5, backend="triton"),
-                              (r(2, 5, 32), r(2, 5, 32), r(1, 32), r(32), r(32)), "_AttnResAggregate", "k3.attn_res"),
+                              (r(2, 5, 32), r(2, 5, 32), r(1, 32), r(32), r(32)), "_AttnRes", "k3.attn_res"),
         "moe_dispatch": (lambda z: dispatch_rows(z, order, inverse, k, backend="triton"), (r(n, ell),),
                          "_DispatchRows", "k3.moe_dispatch_rows"),
         "moe_combine": (lambda y, w: combine_rows(y, w, order, inverse, backend="triton"), (r(n * k, ell), r(n, k)),

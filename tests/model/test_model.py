@@ -159,7 +159,7 @@ def test_attn_res_state_stays_fp32_under_bf16_autocast(tiny):
     for bank, partial in states:
         assert partial.dtype == torch.float32 and all(row.dtype == torch.float32 for row in bank)
     routed = 0
-    for sources, norm, mix in mixes:  # every read of the bank and the partial sum, and its result
+    for sources, norm, (mix, _) in mixes:  # every read of the bank and the partial sum, and its result
         assert all(v.dtype == torch.float32 for v in sources)
         assert mix.dtype == (torch.bfloat16 if norm.autocast_output else torch.float32)
         routed += not norm.autocast_output

@@ -117,7 +117,7 @@ def test_recomputed_modules_run_again_as_replays(policy, monkeypatch):
             return fn(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(attn_res_module, "attn_res_rms_norm", counted("attn_res", attn_res_module.attn_res_rms_norm))
+    monkeypatch.setattr(attn_res_module, "attn_res_site", counted("attn_res", attn_res_module.attn_res_site))
     mixer = kda_module.KimiDeltaAttention  # its kernel seam: the recurrence each KDA mixer calls
     monkeypatch.setattr(mixer, "kernel", staticmethod(counted("kda", mixer.kernel)))
     for layer in model.moe_layers():
