@@ -57,10 +57,14 @@ GPU_MAX_BLOCK_D = 512
 # Rows of up to GPU_ROWS_MAX_D features (padded to a power of two) take the row kernels instead: a program
 # holds its tokens' whole rows of every source in registers, so each is read from memory once a kernel.
 GPU_ROWS_MAX_D = 2048
-# (BLOCK_M, num_warps) at d ≤ 1024: one token and 4 warps a program is fastest or within 6% both ways at 2, 5
-# and 8 sources, with the norm and without (32768 tokens, one H200; 1x8, 2x8, 2x16 and 4x16 swept:
-# docs/results/attn_res_norm_rows_tiles_h200_2026-12-01.json)
-GPU_ROWS_FWD_TILE, GPU_ROWS_BWD_TILE = (1, 4), (1, 4)
+# (BLOCK_M, num_warps) at d ≤ 1024. Session 14 (no passed sources): 1 token × 4 warps fastest or within 6%
+# both ways at 2, 5 and 8 sources (docs/results/attn_res_norm_rows_tiles_h200_2026-12-01.json). Session 16, the
+# site as the model runs it (its norm, every source passed on with a gradient to add; 32768 tokens, one H200;
+# benchmarks/attn_res.py --norm --passed --tiles, docs/results/attn_res_passed_tiles_h200_2026-12-01.json),
+# fwd+bwd ms 1x4 / 2x4 / 1x8 / 2x8: 2 sources 0.400 / 0.375 / 0.465 / 0.738, 5 sources 1.106 / 0.888 / 1.121 /
+# 1.667; forward alone 2x4 is 4-13% faster than 1x4. Two tokens hold twice the registers, and one token
+# took up to 255 at 8 sources (session 14's offline compiles), so more than 5 sources keep one token.
+GPU_ROWS_TILE, GPU_ROWS_TILE_MANY, GPU_ROWS_FEW_SOURCES = (2, 4), (1, 4), 5
 INTERPRET_ROWS_MAX_D = 128
 GPU_BWD_PROGRAMS_PER_SM = 8
 GPU_TILE_OVERRIDE: tuple[int, ...] | None = None  # (BLOCK_M, num_warps[, BLOCK_D])
@@ -368,7 +372,7 @@ def _launch(M: int, D: int, S: int, t: torch.Tensor, backward: bool) -> tuple[in
     if t.is_cuda:
         rows = whole_row <= GPU_ROWS_MAX_D and (GPU_TILE_OVERRIDE is None or len(GPU_TILE_OVERRIDE) == 2)
         if rows:  # the default warps are for rows of up to 1024 features, and grow with the row
-            bm, warps = GPU_TILE_OVERRIDE or (GPU_ROWS_BWD_TILE if backward else GPU_ROWS_FWD_TILE)
+            bm, warps = GPU_TILE_OVERRIDE or (GPU_ROWS_TILE if S <= GPU_ROWS_FEW_SOURCES else GPU_ROWS_TILE_MANY)
             warps = warps if GPU_TILE_OVERRIDE else min(16, warps * max(1, whole_row // 1024))
             bd = whole_row
         else:
