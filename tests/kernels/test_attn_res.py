@@ -286,6 +286,44 @@ def test_passed_sources_carry_later_gradients(S, shape, passed):
         assert err <= 10 * RTOL * scale, f"tensor {i}: max err {err:.3g} of {scale:.3g}"
 
 
+@triton_cpu
+def test_passed_sources_under_compile_sum_in_the_kernels():
+    """Two sites in a row, the second reading what the first passed on, compiled (AOT autograd): the
+    gradients equal the eager ones, and the backward graph adds no source-shaped tensors (the sums
+    happen inside the sites' backward kernels)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    sources, w, gain, _ = random_inputs(3, (2, 5, 96), seed=60)
+    params = [t.float() for t in (w, gain, torch.rand(96, dtype=torch.float64) + 0.5)]
+    g = torch.Generator().manual_seed(61)
+    c1, c2, c3 = (torch.randn(2, 5, 96, generator=g) for _ in range(3))
+
+    def two_sites(v0, v1, v2, w_, gain_, nw):  # each tensor read once: every sum is one the sites take
+        y1, passed = attn_res_site([v0, v1, v2], w_, gain_, nw, 1e-6, None, 3, backend="triton")
+        y2, (p2,) = attn_res_site(passed, w_ * 0.5, gain_, nw, 1e-6, None, 1, backend="triton")
+        return (y1 * c1).sum() + (y2 * c2).sum() + (p2 * c3).sum()
+
+    def grads(fn):
+        leaves = _leaves([*[v.float() for v in sources], *params])
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    backward_adds = []
+
+    def record(gm, example_inputs):
+        backward_adds.extend(n for n in gm.graph.nodes if n.target == torch.ops.aten.add.Tensor
+                             and tuple(n.meta["val"].shape) == (2, 5, 96))
+        return gm.forward
+
+    want = grads(two_sites)
+    torch._dynamo.reset()
+    got = grads(torch.compile(two_sites, backend=aot_autograd(fw_compiler=lambda gm, _: gm.forward,
+                                                              bw_compiler=record), fullgraph=True))
+    for i, (x, ref) in enumerate(zip(got, want)):
+        torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"grad {i}: {m}")
+    assert backward_adds == [], [n.format_node() for n in backward_adds]
+
+
 def test_triton_cpu_subprocess():
     """Runs the Triton tests above under the interpreter when this process could not."""
     rerun_under_interpreter(__file__)
