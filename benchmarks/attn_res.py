@@ -51,8 +51,10 @@ def site(backend: str, norm: bool):
     """The op timed: (sources, w, γ, norm weight) → out, or (out, *passed sources) for "fused, passed";
     with ``norm``, backend "fused", "fused, passed" or "two kernels" (Triton) or "torch"."""
     if backend == "fused, passed":
-        return lambda sources, w, gain, nw: (lambda out, passed: (out, *passed))(
-            *attn_res_site(sources, w, gain, nw, NORM_EPS, torch.bfloat16, len(sources), backend="triton"))
+        def passed_site(sources, w, gain, nw):
+            out, passed = attn_res_site(sources, w, gain, nw, NORM_EPS, torch.bfloat16, len(sources), backend="triton")
+            return (out, *passed)
+        return passed_site
     if not norm:
         return lambda sources, w, gain, nw: attn_res_aggregate(sources, w, gain, backend=backend)
     if backend == "two kernels":
@@ -61,6 +63,11 @@ def site(backend: str, norm: bool):
     kernel = "triton" if backend == "fused" else backend
     return lambda sources, w, gain, nw: attn_res_rms_norm(sources, w, gain, nw, NORM_EPS, torch.bfloat16,
                                                           backend=kernel)
+
+
+def _output(out):
+    """The site's output y (without the passed sources, which are its inputs)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def measure(S: int, tokens: int, d: int, backend: str, norm: bool, device: str, warmup: int, rep: int) -> dict:
@@ -85,7 +92,7 @@ def measure(S: int, tokens: int, d: int, backend: str, norm: bool, device: str, 
         else:
             torch.autograd.grad(out, leaves, go)
 
-    held = held_mib(lambda: (lambda out: out[0] if isinstance(out, tuple) else out)(fwd()), device)
+    held = held_mib(lambda: _output(fwd()), device)
     with torch.no_grad():
         t_fwd = gpu_time_ms(fwd, device, warmup, rep)
     t_fb = gpu_time_ms(fwd_bwd, device, warmup, rep)

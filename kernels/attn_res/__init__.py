@@ -48,20 +48,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1, x.shape[-1])
 
 
-def _launch_forward(qt, sources, norm_weight, norm_eps, out_dtype):
-    """(out [..., d], r, a [M, S] fp32): the kernel launched directly, or as the custom op while dynamo traces."""
-    if torch.compiler.is_compiling():
-        return _attn_res(qt, sources, norm_weight, norm_eps, out_dtype)
+def _kernel_forward(qt, sources, norm_weight, norm_eps, out_dtype):
+    """The Triton forward: (x or y [..., d], r and a [M, S] fp32 for backward)."""
     from .triton_attn_res import attn_res_fwd
     out, r, a = attn_res_fwd([_rows(v) for v in sources], qt, norm_weight, norm_eps, out_dtype)
     return out.view(sources[0].shape), r, a
 
 
-def _launch_backward(sources, qt, grad_out, r, a, norm_weight, norm_eps, grad_in):
-    """(dq̃, the norm weight's gradient or None, dv_i with grad_in_i added), as ``_launch_forward``."""
-    if torch.compiler.is_compiling():
-        dqt, dnw, dvs = _attn_res_backward(sources, qt, grad_out, r, a, norm_weight, norm_eps, grad_in)
-        return dqt, None if norm_weight is None else dnw, dvs
+def _kernel_backward(sources, qt, grad_out, r, a, norm_weight, norm_eps, grad_in):
+    """The Triton backward: (dq̃, the norm weight's gradient or None, dv_i + grad_in_i)."""
     from .triton_attn_res import attn_res_bwd
     dvs, dqt, dnw = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a, norm_weight, norm_eps,
                                  [None if g is None else _rows(g) for g in grad_in])
@@ -72,12 +67,13 @@ class _AttnRes(torch.autograd.Function):
     """(q̃, norm weight or None, norm eps, out dtype or None, pass_through, *sources) →
     (x or y, *the last ``pass_through`` sources). Those come back as outputs of this op, so the
     gradients later readers send them arrive in its backward, which adds each into its own dv_i in the
-    kernel; autograd has nothing left to sum for them. Under ``torch.compile`` its forward and
-    backward run the kernels as the custom ops below (dynamo traces this Function into the graph)."""
+    kernel; autograd has nothing left to sum for them. Eagerly it launches the kernels directly; while
+    dynamo traces it (into the graph) it calls them as the custom ops below."""
 
     @staticmethod
     def forward(ctx, qt, norm_weight, norm_eps, out_dtype, pass_through, *sources):
-        out, r, a = _launch_forward(qt, list(sources), norm_weight, norm_eps, out_dtype)
+        forward = _attn_res if torch.compiler.is_compiling() else _kernel_forward
+        out, r, a = forward(qt, list(sources), norm_weight, norm_eps, out_dtype)
         ctx.save_for_backward(qt, norm_weight, r, a, *sources)
         ctx.norm_eps, ctx.pass_through = norm_eps, pass_through
         ctx.set_materialize_grads(False)  # a passed source nobody reads brings no gradient: nothing to add
@@ -90,7 +86,11 @@ class _AttnRes(torch.autograd.Function):
         grad_out = torch.zeros_like(sources[0]) if grad_out is None else grad_out.contiguous()
         grad_in = [None] * (len(sources) - ctx.pass_through) + [
             None if g is None else g.contiguous() for g in grad_passed]
-        dqt, dnw, dvs = _launch_backward(sources, qt, grad_out, r, a, norm_weight, ctx.norm_eps, grad_in)
+        if torch.compiler.is_compiling():
+            dqt, dnw, dvs = _attn_res_backward(sources, qt, grad_out, r, a, norm_weight, ctx.norm_eps, grad_in)
+            dnw = None if norm_weight is None else dnw
+        else:
+            dqt, dnw, dvs = _kernel_backward(sources, qt, grad_out, r, a, norm_weight, ctx.norm_eps, grad_in)
         return (dqt, dnw, None, None, None, *dvs)
 
 
@@ -98,10 +98,7 @@ class _AttnRes(torch.autograd.Function):
 @torch.library.custom_op("k3::attn_res", mutates_args=())
 def _attn_res(qt: torch.Tensor, sources: list[torch.Tensor], norm_weight: torch.Tensor | None, norm_eps: float,
               out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton forward: (x or y [..., d], r and a [M, S] fp32 for backward)."""
-    from .triton_attn_res import attn_res_fwd
-    out, r, a = attn_res_fwd([_rows(v) for v in sources], qt, norm_weight, norm_eps, out_dtype)
-    return out.view(sources[0].shape), r, a
+    return _kernel_forward(qt, sources, norm_weight, norm_eps, out_dtype)
 
 
 @_attn_res.register_fake
@@ -115,11 +112,9 @@ def _attn_res_fake(qt, sources, norm_weight, norm_eps, out_dtype):
 def _attn_res_backward(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.Tensor, r: torch.Tensor,
                        a: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float,
                        grad_in: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(dq̃, the norm weight's gradient (empty without the norm: a custom op returns tensors), dv_i + grad_in_i)."""
-    from .triton_attn_res import attn_res_bwd
-    dvs, dqt, dnw = attn_res_bwd([_rows(v) for v in sources], qt, _rows(grad_out), r, a, norm_weight, norm_eps,
-                                 [None if g is None else _rows(g) for g in grad_in])
-    return dqt, qt.new_empty(0) if dnw is None else dnw, [dv.view(v.shape) for dv, v in zip(dvs, sources)]
+    """``_kernel_backward``, with an empty norm-weight gradient without the norm (a custom op returns tensors)."""
+    dqt, dnw, dvs = _kernel_backward(sources, qt, grad_out, r, a, norm_weight, norm_eps, grad_in)
+    return dqt, qt.new_empty(0) if dnw is None else dnw, dvs
 
 
 @_attn_res_backward.register_fake
