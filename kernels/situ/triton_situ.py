@@ -18,9 +18,10 @@ Both stay within a few ulp of fp32 for every x, and nothing overflows: e ≤ 1, 
 formed from exp(−|x|) in the same way. That is for fp32 outputs. A half-precision output
 (bf16, fp16) rounds at 2^-9 or 2^-12 relative, so there the kernels take tanh x = x below
 |x| = 2^-6 (relative error x²/3 ≤ 8.2e-5) instead of the series: within ``HALF_RTOL`` of
-each term, and the kernels are bound by instruction issue, not bytes (offline sm_90 SASS,
-8 elements a thread: 90 instructions an element forward and 124 backward with the series at
-every precision, 67 and 87 with the half-precision path; docs/decisions.md).
+each term, and the kernels are bound by instruction issue, not bytes (sm_90 SASS by
+``benchmarks/kernel_sass.py``, 8 elements a thread, Triton 3.6: 89 instructions an element
+forward and 124 backward with the series at every precision, 69 and 88 with the half-precision
+path; docs/decisions.md).
 
 On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` must be set
 before triton is imported). The interpreter truncates fp32 → bf16 stores; GPUs round to
