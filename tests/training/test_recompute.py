@@ -20,7 +20,9 @@ from k3train.model.mla import GatedMLA
 from k3train.model.replay import replaying
 from k3train.precision.main_params import MainParams
 from k3train.training.recompute import apply_recompute
+from kernels.attn_res import attn_res_site, triton_attn_res
 from test_training_helpers import losses, train
+from triton_cpu import triton_interpreter
 
 POLICIES = ("attn_res", "kda", "full")
 
@@ -89,6 +91,20 @@ def _assert_same_step(got: K3Model, ref: K3Model, got_losses, ref_losses) -> Non
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_policy_matches_none_bit_for_bit(policy):
+    ref, got = _model("none"), _model(policy)
+    _assert_same_step(got, ref, _step(got), _step(ref))
+
+
+@triton_interpreter
+@pytest.mark.parametrize("policy", ("attn_res", "full"))
+def test_triton_attn_res_sites_recompute_like_none(policy, monkeypatch):
+    """The AttnRes sites on their Triton path (through the interpreter, each passing its sources on
+    as on a GPU): recomputing the sites, or whole layers, gives none's step bit for bit."""
+    def site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through):
+        return attn_res_site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through, backend="triton")
+
+    monkeypatch.setattr(attn_res_module, "attn_res_site", site)
+    monkeypatch.setattr(triton_attn_res, "INTERPRET_BLOCKS", (64, 64))  # one program a micro-batch: quicker
     ref, got = _model("none"), _model(policy)
     _assert_same_step(got, ref, _step(got), _step(ref))
 
