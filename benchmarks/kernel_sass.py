@@ -72,7 +72,8 @@ def situ_rows(arch: int) -> list[dict]:
     for dtype in ("bf16", "fp32"):
         for name, kernel in (("situ fwd", situ._situ_fwd_kernel), ("situ bwd", situ._situ_bwd_kernel)):
             types = {arg: ("i32" if arg in ("M", "I") or arg.startswith("stride") else
-                           "fp32" if "beta" in arg else f"*{dtype}") for arg in kernel.arg_names[:-2]}
+                           "fp32" if "beta" in arg else f"*{dtype}") for arg in kernel.arg_names
+                     if arg not in ("BLOCK_M", "BLOCK_N")}
             r = compile_kernel(kernel, types, {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, arch)
             rows.append({"kernel": name, "dtype": dtype, "tile": f"{block_m}x{block_n}x{warps}w", **r,
                          "instructions_per_element": r["instructions"] / per_thread})
