@@ -29,7 +29,26 @@ from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import token_dispatcher
+from kernels.grouped_wgrad import grouped_wgrad
 from kernels.situ import situ_glu_packed
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y = x W_eᵀ per group (``torch._grouped_mm``); dx by ``torch._grouped_mm`` as autograd forms it, dW by
+    ``kernels.grouped_wgrad`` (its Triton kernel on sm_90+, where ``torch._grouped_mm``'s K-grouped
+    GEMM is slow; the same aten product elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, w, offsets = ctx.saved_tensors
+        grad_x = torch._grouped_mm(grad_y, w, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w = grouped_wgrad(grad_y, x, offsets) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -42,7 +61,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     """
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")
-    return torch._grouped_mm(x, w.to(x.dtype).transpose(-2, -1), offs=offsets)
+    return _GroupedLinear.apply(x, w.to(x.dtype), offsets)
 
 
 class RoutedExperts(nn.Module):

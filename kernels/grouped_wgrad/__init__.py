@@ -1,0 +1,76 @@
+"""The weight gradient of a grouped linear layer (the routed experts' W13 and W2; math in ``reference.py``)::
+
+    grouped_wgrad(g, x, offsets)   # g [M, O], x [M, C], offsets [E] int32 cumulative → dW [E, O, C]
+
+``backend``:
+
+* ``"auto"``: ``"triton"`` for bf16/fp16 CUDA tensors on sm_90 and newer (the kernel reads through TMA
+  descriptors), ``"torch"`` otherwise;
+* ``"triton"``: ``triton_grouped_wgrad.py``, one program per (expert, output tile), largest experts first.
+  ``torch._grouped_mm``'s K-grouped GEMM, which autograd uses for this product, ran at about 200 TFLOP/s
+  in the compiled bench-1B step (both operands MN-major; `docs/moe_notes.md`). Under ``torch.compile``
+  through the custom op ``k3::grouped_wgrad``; on CPU through Triton's interpreter (``TRITON_INTERPRET=1``
+  before triton is imported), in fp32 too;
+* ``"torch"``: ``reference.grouped_wgrad_aten``, what autograd computes for ``torch._grouped_mm``.
+
+Both read rows whose pitch is a multiple of 16 bytes (TMA's and ``torch._grouped_mm``'s requirement).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import BACKENDS, eager_or_compiled, triton_device
+from . import reference
+
+__all__ = ["grouped_wgrad"]
+
+
+def _triton(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    from .triton_grouped_wgrad import grouped_wgrad as kernel
+    return kernel(g, x, offsets)
+
+
+@torch.library.custom_op("k3::grouped_wgrad", mutates_args=())
+def _grouped_wgrad_op(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _triton(g, x, offsets)
+
+
+@_grouped_wgrad_op.register_fake
+def _(g, x, offsets):
+    return g.new_empty(offsets.shape[0], g.shape[1], x.shape[1])
+
+
+_grouped_wgrad = eager_or_compiled(_triton, _grouped_wgrad_op)
+
+
+def _use_triton(g: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown grouped_wgrad backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "torch":
+        return False
+    if g.is_cuda:
+        fits = g.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(g.device) >= (9, 0)
+        if backend == "triton" and not fits:
+            raise ValueError(f"the Triton grouped_wgrad kernel takes bf16/fp16 on sm_90+, got {g.dtype} on "
+                             f"sm_{''.join(map(str, torch.cuda.get_device_capability(g.device)))}")
+    else:
+        fits = backend == "triton" or triton_device(g)
+    return fits
+
+
+def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """dW[e] = g[rows of e]ᵀ x[rows of e]: g [M, O], x [M, C], offsets [E] int32 → [E, O, C] in g.dtype."""
+    if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0]:
+        raise ValueError(f"g and x must be [M, O] and [M, C] with the same M, got {tuple(g.shape)} and "
+                         f"{tuple(x.shape)}")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32:
+        raise ValueError(f"offsets must be int32 [E], got {offsets.dtype} {tuple(offsets.shape)}")
+    if g.dtype != x.dtype:
+        raise ValueError(f"g and x must share a dtype, got {g.dtype} and {x.dtype}")
+    if any(t.shape[1] * t.element_size() % 16 for t in (g, x)):
+        raise ValueError(f"rows of g and x must be multiples of 16 bytes, got {g.shape[1]} and {x.shape[1]} "
+                         f"elements of {g.element_size()} bytes")
+    if not _use_triton(g, backend):
+        return reference.grouped_wgrad_aten(g, x, offsets)
+    return _grouped_wgrad(g.contiguous(), x.contiguous(), offsets)

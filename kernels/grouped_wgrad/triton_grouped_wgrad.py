@@ -1,0 +1,68 @@
+"""Triton kernel of the grouped weight gradient dW[e] = G_eᵀ X_e (math in ``reference.py``).
+
+One program per (expert, output tile): it walks its expert's rows BK at a time, both operands
+through host-side tensor descriptors (TMA on Hopper), and accumulates in fp32. The expert's last,
+partial row block is read once more with the rows past its end zeroed (the descriptor's box would
+otherwise read the next expert's rows). Programs are ordered by their expert's row count, largest
+first, so the longest ones start first and the short ones fill the tail.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# (BM, BN, BK, warps, stages) on the GPU; the interpreter takes small tiles.
+GPU_TILES = (128, 256, 64, 8, 3)
+INTERPRETER_TILES = (16, 16, 16, 4, 1)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr):
+    """G: descriptor of [M, O] with [BK, BM] blocks; X: of [M, C] with [BK, BN] blocks; DW [E, O, C]."""
+    pid = tl.program_id(0)
+    tiles_c = tl.cdiv(C, BN)
+    per_expert = tl.cdiv(O, BM) * tiles_c
+    e = tl.load(ORDER + pid // per_expert)
+    tile = pid % per_expert
+    o0 = (tile // tiles_c) * BM
+    c0 = (tile % tiles_c) * BN
+    start = tl.load(OFFSETS + e - 1, mask=e > 0, other=0)
+    end = tl.load(OFFSETS + e)
+    full = (end - start) // BK
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for i in range(full):
+        r = start + i * BK
+        acc = tl.dot(G.load([r, o0]).T, X.load([r, c0]), acc)
+    r = start + full * BK
+    if r < end:
+        rows = r + tl.arange(0, BK)
+        x = tl.where((rows < end)[:, None], X.load([r, c0]), 0.0)
+        acc = tl.dot(G.load([r, o0]).T, x, acc)
+    o = o0 + tl.arange(0, BM)
+    c = c0 + tl.arange(0, BN)
+    ptrs = DW + e.to(tl.int64) * O * C + o[:, None] * C + c[None, :]
+    tl.store(ptrs, acc.to(DW.dtype.element_ty), mask=(o[:, None] < O) & (c[None, :] < C))
+
+
+def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles=None) -> torch.Tensor:
+    """g [M, O], x [M, C] (rows grouped by expert; contiguous, rows 16-byte aligned), offsets [E]
+    int32 cumulative → dW [E, O, C] in g.dtype. ``tiles``: (BM, BN, BK, warps, stages), else the defaults."""
+    BM, BN, BK, warps, stages = tiles or (INTERPRETER_TILES if g.device.type == "cpu" else GPU_TILES)
+    M, O = g.shape
+    C = x.shape[1]
+    E = offsets.shape[0]
+    if M == 0:
+        return torch.zeros(E, O, C, dtype=g.dtype, device=g.device)
+    dw = torch.empty(E, O, C, dtype=g.dtype, device=g.device)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    order = torch.argsort(counts, descending=True, stable=True).to(torch.int32)
+    g_desc = TensorDescriptor.from_tensor(g, [BK, BM])
+    x_desc = TensorDescriptor.from_tensor(x, [BK, BN])
+    grid = (E * triton.cdiv(O, BM) * triton.cdiv(C, BN),)
+    _grouped_wgrad_kernel[grid](g_desc, x_desc, dw, offsets, order, O, C, BM=BM, BN=BN, BK=BK,
+                                num_warps=warps, num_stages=stages)
+    return dw
