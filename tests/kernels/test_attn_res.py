@@ -296,7 +296,7 @@ def test_passed_sources_under_compile_sum_in_the_kernels():
     sources, w, gain, _ = random_inputs(3, (2, 5, 96), seed=60)
     params = [t.float() for t in (w, gain, torch.rand(96, dtype=torch.float64) + 0.5)]
     g = torch.Generator().manual_seed(61)
-    c1, c2, c3 = (torch.randn(2, 5, 96, generator=g) for _ in range(3))
+    c1, c2, c3 = (torch.randn(2, 5, 96, generator=g).to(DEV) for _ in range(3))
 
     def two_sites(v0, v1, v2, w_, gain_, nw):  # each tensor read once: every sum is one the sites take
         y1, passed = attn_res_site([v0, v1, v2], w_, gain_, nw, 1e-6, None, 3, backend="triton")
