@@ -415,7 +415,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
 # (triton_poi/per/red_*: mostly fused adds and casts; their names quote the ops they fuse), then by library,
 # the project's own Triton kernels by their names (kernels/).
 KINDS = (("inductor fused", ("triton_poi_", "triton_per_", "triton_red_")),
-         ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "grouped_mm", "matmul")), ("kda", ("kda", "chunk_")),
+         ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "grouped_mm", "matmul", "_grouped_wgrad_")), ("kda", ("kda", "chunk_")),
          ("attention", ("flash", "fmha", "attention", "efficient", "sdpa")), ("nccl", ("nccl",)),
          ("attn_res", ("_attn_res_",)), ("situ", ("_situ_",)), ("cross-entropy", ("_ce_",)),
          ("rms_norm", ("_rms_norm_",)), ("short conv", ("_short_conv_",)),

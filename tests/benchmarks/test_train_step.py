@@ -144,7 +144,7 @@ def test_profile_kernel_kinds():
              "_rms_norm_bwd_kernel": "rms_norm", "_short_conv_fwd_kernel": "short conv",
              "_combine_bwd_kernel": "moe glue", "_histogram_kernel": "moe glue", "kda_bwd_kernel": "kda",
              "triton_poi_fused__to_copy_add_attn_res_backward_view_4": "inductor fused",
-             "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+             "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm", "_grouped_wgrad_kernel": "gemm",
              "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3": "gemm",
              "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
              "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
