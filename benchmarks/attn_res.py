@@ -16,8 +16,11 @@ the kernels with the norm fused ("fused": ``attn_res_rms_norm``, the mix never s
 AttnRes kernel followed by the RMSNorm kernel ("two kernels": the fp32 mix written and read back)
 and the torch reference; ideal bytes count y and dy in bf16. ``--passed`` adds the fused site as the
 model runs it ("fused, passed": ``attn_res_site`` passing all S sources on, each with a gradient from
-later readers that its backward adds in the kernel; S more fp32 reads backward). ``--bwd-programs``
-sweeps the backward's programs per SM.
+later readers that its backward adds in the kernel; S more fp32 reads backward). ``--residual`` adds, to
+those, the site as the model's mlp sites run it: a bf16 branch b added to the last source, P + b, first by a
+separate add ("passed + add") and then inside the kernels ("passed, residual": ``attn_res_site(...,
+residual=b)``); their GB/s count the passed site's bytes only. ``--bwd-programs`` sweeps the backward's
+programs per SM.
 ``--small`` (64 tokens, d 96) is a dry run that also works on CPU (Triton through its interpreter
 when TRITON_INTERPRET=1).
 """
@@ -47,12 +50,19 @@ def gpu_time_ms(fn, device: str, warmup: int, rep: int) -> float:
 NORM_EPS = 1e-6
 
 
+PASSED = ("fused, passed", "passed + add", "passed, residual")  # the sites that pass every source on
+RESIDUAL = PASSED[1:]  # the sites that add a branch to the last source
+
+
 def site(backend: str, norm: bool):
-    """The op timed: (sources, w, γ, norm weight) → out, or (out, *passed sources) for "fused, passed";
-    with ``norm``, backend "fused", "fused, passed" or "two kernels" (Triton) or "torch"."""
-    if backend == "fused, passed":
-        def passed_site(sources, w, gain, nw):
-            out, passed = attn_res_site(sources, w, gain, nw, NORM_EPS, torch.bfloat16, len(sources), backend="triton")
+    """The op timed: (sources, w, γ, norm weight[, branch]) → out, or (out, *passed sources) for the
+    ``PASSED`` backends; with ``norm``, backend "fused", "two kernels", a ``PASSED`` one (Triton) or "torch"."""
+    if backend in PASSED:
+        def passed_site(sources, w, gain, nw, branch=None):
+            if backend == "passed + add":
+                sources = [*sources[:-1], sources[-1] + branch]
+            out, passed = attn_res_site(sources, w, gain, nw, NORM_EPS, torch.bfloat16, len(sources), backend="triton",
+                                        residual=branch if backend == "passed, residual" else None)
             return (out, *passed)
         return passed_site
     if not norm:
@@ -77,11 +87,13 @@ def measure(S: int, tokens: int, d: int, backend: str, norm: bool, device: str, 
     gain = (torch.rand(d, device=device, generator=g) + 0.5).requires_grad_()
     nw = (torch.rand(d, device=device, generator=g) + 0.5).requires_grad_()
     go = torch.randn(tokens, d, device=device, generator=g, dtype=torch.bfloat16 if norm else torch.float32)
-    leaves = [*sources, w, gain] + ([nw] if norm else [])
+    branch = ([torch.randn(tokens, d, device=device, generator=g).to(torch.bfloat16).requires_grad_()]
+              if backend in RESIDUAL else [])
+    leaves = [*sources, w, gain] + ([nw] if norm else []) + branch
     op = site(backend, norm)
 
     def fwd():
-        return op(sources, w, gain, nw)
+        return op(sources, w, gain, nw, *branch)
 
     later = [torch.randn(tokens, d, device=device, generator=g) for _ in range(S)]  # the passed sources' gradients
 
@@ -97,7 +109,7 @@ def measure(S: int, tokens: int, d: int, backend: str, norm: bool, device: str, 
         t_fwd = gpu_time_ms(fwd, device, warmup, rep)
     t_fb = gpu_time_ms(fwd_bwd, device, warmup, rep)
     out_bytes = 2 if norm else 4
-    passed_reads = S * 4 if backend == "fused, passed" else 0
+    passed_reads = S * 4 if backend in PASSED else 0
     fwd_bytes, bwd_bytes = (S * 4 + out_bytes) * tokens * d, (2 * S * 4 + passed_reads + out_bytes) * tokens * d
     return {"S": S, "backend": backend, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
             "fwd_GBps": fwd_bytes / t_fwd / 1e6, "fwd_bwd_GBps": (fwd_bytes + bwd_bytes) / t_fb / 1e6,
@@ -136,6 +148,8 @@ def main() -> None:
                         "(kernels/attn_res/triton_attn_res.py gpu_tile)")
     p.add_argument("--norm", action="store_true", help="time the site with its RMSNorm: fused, two kernels, torch")
     p.add_argument("--passed", action="store_true", help="with --norm, also the site passing its sources on")
+    p.add_argument("--residual", action="store_true",
+                   help="with --norm --passed, also the passed site with a bf16 branch added to its last source")
     p.add_argument("--bwd-programs", type=int, nargs="+", default=[None], metavar="P",
                    help="backward programs per SM to sweep (default: the kernels' own)")
     p.add_argument("--small", action="store_true", help="64 tokens, d 96, 2 reps: a dry run")
@@ -146,7 +160,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles] if args.tiles else [None]
     rows = []
-    kernels = (["fused", "two kernels"] + (["fused, passed"] if args.passed else [])) if args.norm else ["triton"]
+    passed = list(PASSED if args.residual else PASSED[:1]) if args.passed else []
+    kernels = (["fused", "two kernels"] + passed) if args.norm else ["triton"]
     for S in args.sources:
         rows.append(measure(S, args.tokens, args.dim, "torch", args.norm, device, args.warmup, args.rep))
         check(S, args.tokens, args.dim, args.norm, device)

@@ -81,17 +81,18 @@ def situ_rows(arch: int) -> list[dict]:
 
 
 def attn_res_rows(arch: int, sources: list[int], tiles: list[tuple[int, int]], d: int = 1024) -> list[dict]:
-    """The AttnRes row kernels with the norm, fp32 sources and a bf16 output, every source passed on
-    (backward), at d features and each (tokens, warps) tile."""
+    """The AttnRes row kernels as the model's mlp sites run them: the norm, fp32 sources, a bf16 output, a
+    bf16 residual added to the last source, every source passed on (backward), at d features and each
+    (tokens, warps) tile."""
     rows = []
     for name, kernel in (("attn_res rows fwd", attn_res._attn_res_fwd_rows_kernel),
                          ("attn_res rows bwd", attn_res._attn_res_bwd_rows_kernel)):
         types = {arg: ("i32" if arg in ("M", "D") else "fp32" if arg in ("eps", "norm_eps") else
-                       "*bf16" if arg in ("O", "G") else "*fp32") for arg in kernel.arg_names
-                 if arg not in ("S", "S_PAD", "NORM", "GRAD_IN", "BLOCK_M", "BLOCK_D")}
+                       "*bf16" if arg in ("O", "G", "RES", "DRES") else "*fp32") for arg in kernel.arg_names
+                 if arg not in ("S", "S_PAD", "NORM", "GRAD_IN", "ADD_LAST", "BLOCK_M", "BLOCK_D")}
         for S in sources:
             for block_m, warps in tiles:
-                consts = {"S": S, "S_PAD": max(2, triton.next_power_of_2(S)), "NORM": True,
+                consts = {"S": S, "S_PAD": max(2, triton.next_power_of_2(S)), "NORM": True, "ADD_LAST": True,
                           "BLOCK_M": block_m, "BLOCK_D": d}
                 if "GRAD_IN" in kernel.arg_names:
                     consts["GRAD_IN"] = (1 << S) - 1

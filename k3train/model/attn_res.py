@@ -39,10 +39,11 @@ class AttnResAggregator(nn.Module):
         self.proj = set_role(nn.Parameter(torch.zeros(1, dim)), ParamRole(Kind.PSEUDO_QUERY, keep_fp32=True))
         self.norm = set_role(nn.Parameter(torch.ones(dim)), ParamRole(Kind.NORM, keep_fp32=True))
 
-    def forward(self, sources: list[torch.Tensor], out_norm: RMSNorm, pass_through: int = 0
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, sources: list[torch.Tensor], out_norm: RMSNorm, pass_through: int = 0,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """S sources [B, T, d] → (out_norm(Agg(sources)) [B, T, d], the last ``pass_through`` sources
         passed through the site: later readers read these, so the site's backward kernel adds their
-        gradients to its own; ``kernels.attn_res.attn_res_site``)."""
+        gradients to its own; ``kernels.attn_res.attn_res_site``). With ``residual`` the last source is
+        sources[-1] + residual (P + a branch's output), added by the site and passed on in its place."""
         return attn_res_site(sources, self.proj, self.norm, out_norm.weight, out_norm.eps,
-                             out_norm.output_dtype(sources[0]), pass_through)
+                             out_norm.output_dtype(sources[0]), pass_through, residual=residual)

@@ -50,9 +50,9 @@ class K3Layer(nn.Module):
         # every site passes all its sources on (AttnResAggregator): their gradients add up in its backward
         x_a, (*bank, partial) = self.self_attention_res([*bank, partial], self.input_layernorm, len(bank) + 1)
         if self.writes_block:
-            bank = [*bank, partial]
-            partial = self.self_attn(x_a, docs).float()
-        else:
-            partial = partial + self.self_attn(x_a, docs)  # fp32 + bf16 → fp32: one kernel, exact
-        x_m, (*bank, partial) = self.mlp_res([*bank, partial], self.post_attention_layernorm, len(bank) + 1)
+            bank, partial, branch = [*bank, partial], self.self_attn(x_a, docs).float(), None
+        else:  # P + Attn(x_a) is formed by the site that reads it (fp32 + bf16 → fp32, exact)
+            branch = self.self_attn(x_a, docs)
+        x_m, (*bank, partial) = self.mlp_res([*bank, partial], self.post_attention_layernorm, len(bank) + 1,
+                                             residual=branch)
         return bank, partial + self.mlp(x_m)

@@ -259,6 +259,28 @@ def _load_sources(V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S: tl.constexpr):
 
 
 @triton.jit
+def _add_to_last(v0, v1, v2, v3, v4, v5, v6, v7, res, S: tl.constexpr):
+    """The eight tile values with ``res`` added to slot S − 1."""
+    if S == 1:
+        v0 += res
+    if S == 2:
+        v1 += res
+    if S == 3:
+        v2 += res
+    if S == 4:
+        v3 += res
+    if S == 5:
+        v4 += res
+    if S == 6:
+        v5 += res
+    if S == 7:
+        v6 += res
+    if S == 8:
+        v7 += res
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
 def _dots(u, scol, v0, v1, v2, v3, v4, v5, v6, v7, S: tl.constexpr):
     """[BLOCK_M, S_PAD] tile of u · v_i per token."""
     out = tl.where(scol == 0, tl.sum(u * v0, axis=1)[:, None], 0.0)
@@ -277,10 +299,11 @@ def _mix_held(a, scol, v0, v1, v2, v3, v4, v5, v6, v7, S: tl.constexpr):
 
 
 @triton.jit
-def _attn_res_fwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, NW, O, R, A, M, D, eps, norm_eps,
-                              S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr,
+def _attn_res_fwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, RES, PO, Q, NW, O, R, A, M, D, eps, norm_eps,
+                              S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr, ADD_LAST: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The forward for rows that fit one tile (BLOCK_D ≥ D): every source read once into registers."""
+    """The forward for rows that fit one tile (BLOCK_D ≥ D): every source read once into registers.
+    With ADD_LAST the last source is V_{S-1} + RES, formed here and written to PO (fp32)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok2 = (rows < M)[:, None]
     cols = tl.arange(0, BLOCK_D)
@@ -288,6 +311,9 @@ def _attn_res_fwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, NW, O, R, A, M,
     offs = rows[:, None] * D + cols[None, :]
     scol = tl.arange(0, S_PAD)[None, :]
     v0, v1, v2, v3, v4, v5, v6, v7 = _load_sources(V0, V1, V2, V3, V4, V5, V6, V7, offs, mask, S)
+    if ADD_LAST:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _add_to_last(v0, v1, v2, v3, v4, v5, v6, v7, _load(RES, offs, mask), S)
+        tl.store(PO + offs, _pick(S - 1, v0, v1, v2, v3, v4, v5, v6, v7).to(PO.dtype.element_ty), mask=mask)
     q = tl.load(Q + cols, mask=cols < D, other=0.0)[None, :]
     sumsq = tl.where(scol == 0, tl.sum(v0 * v0, axis=1)[:, None], 0.0)
     for i in tl.static_range(1, S):
@@ -309,11 +335,12 @@ def _attn_res_fwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, Q, NW, O, R, A, M,
 
 @triton.jit
 def _attn_res_bwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7,
-                              GI0, GI1, GI2, GI3, GI4, GI5, GI6, GI7, Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
+                              GI0, GI1, GI2, GI3, GI4, GI5, GI6, GI7, DRES, Q, NW, G, R, A, DQ, DNW, M, D, norm_eps,
                               S: tl.constexpr, S_PAD: tl.constexpr, NORM: tl.constexpr, GRAD_IN: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                              ADD_LAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """The backward for rows that fit one tile: every source and G read once; this program's dq̃ (and
-    dw_n) summed in registers over its token blocks and written once to its row of DQ (DNW)."""
+    dw_n) summed in registers over its token blocks and written once to its row of DQ (DNW). With
+    ADD_LAST (V_{S-1} is the forward's V_{S-1} + RES) the last source's gradient is also RES's: DRES."""
     pid = tl.program_id(0)
     scol = tl.arange(0, S_PAD)[None, :]
     cols = tl.arange(0, BLOCK_D)
@@ -352,6 +379,8 @@ def _attn_res_bwd_rows_kernel(V0, V1, V2, V3, V4, V5, V6, V7, DV0, DV1, DV2, DV3
                 dv += _load(_pick(i, GI0, GI1, GI2, GI3, GI4, GI5, GI6, GI7), offs, mask)
             DVi = _pick(i, DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7)
             tl.store(DVi + offs, dv.to(DVi.dtype.element_ty), mask=mask)
+            if ADD_LAST and i == S - 1:
+                tl.store(DRES + offs, dv.to(DRES.dtype.element_ty), mask=mask)
             dq += tl.sum(cq * vi, axis=0)
     tl.store(DQ + pid.to(tl.int64) * D + cols, dq, mask=cmask)
     if NORM:
@@ -399,49 +428,76 @@ def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def attn_res_fwd(sources: list[torch.Tensor], qt: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                 norm_eps: float = 0.0, out_dtype: torch.dtype | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 norm_eps: float = 0.0, out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """sources: S contiguous [M, d] tensors of one dtype; qt: contiguous fp32 [d] (w ⊙ γ); with
-    ``norm_weight`` [d], the site's RMSNorm (eps ``norm_eps``) applied to the mix
-    → (out [M, d] in ``out_dtype``, default the sources' dtype; r [M, S] fp32; a [M, S] fp32)."""
+    ``norm_weight`` [d], the site's RMSNorm (eps ``norm_eps``) applied to the mix; with ``residual`` (a
+    contiguous [M, d] of any float dtype) the last source is sources[-1] + residual, formed in the row
+    kernel (elsewhere by torch first)
+    → (out [M, d] in ``out_dtype``, default the sources' dtype; r [M, S] fp32; a [M, S] fp32; that last
+    source in the sources' dtype, or None without ``residual``)."""
     M, D = sources[0].shape
     S, dev = len(sources), sources[0].device
     out = torch.empty((M, D), dtype=out_dtype or sources[0].dtype, device=dev)
     r = torch.empty((M, S), dtype=torch.float32, device=dev)
     a = torch.empty((M, S), dtype=torch.float32, device=dev)
-    if M * D:
-        n, meta, rows = _launch(M, D, S, sources[0], backward=False)
-        nw = qt if norm_weight is None else norm_weight  # any pointer without the norm
-        kernel = _attn_res_fwd_rows_kernel if rows else _attn_res_fwd_kernel
-        kernel[(n,)](*_slots(sources), qt, nw, out, r, a, M, D, RMS_EPS, norm_eps,
+    last = None
+    if M * D == 0:
+        return out, r, a, None if residual is None else (sources[-1] + residual).to(sources[-1].dtype)
+    n, meta, rows = _launch(M, D, S, sources[0], backward=False)
+    if residual is not None and not rows:
+        last = (sources[-1] + residual).to(sources[-1].dtype)
+        sources, residual = [*sources[:-1], last], None
+    elif residual is not None:
+        last = torch.empty_like(sources[-1])
+    nw = qt if norm_weight is None else norm_weight  # any pointer without the norm
+    if rows:
+        _attn_res_fwd_rows_kernel[(n,)](*_slots(sources), qt if residual is None else residual,
+                                        qt if last is None else last, qt, nw, out, r, a, M, D, RMS_EPS, norm_eps,
+                                        NORM=norm_weight is not None, ADD_LAST=residual is not None, **meta)
+    else:
+        _attn_res_fwd_kernel[(n,)](*_slots(sources), qt, nw, out, r, a, M, D, RMS_EPS, norm_eps,
                                    NORM=norm_weight is not None, **meta)
-    return out, r, a
+    return out, r, a, last
 
 
 def attn_res_bwd(sources: list[torch.Tensor], qt: torch.Tensor, grad_out: torch.Tensor,
                  r: torch.Tensor, a: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                 norm_eps: float = 0.0, grad_in: list[torch.Tensor | None] | None = None
-                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+                 norm_eps: float = 0.0, grad_in: list[torch.Tensor | None] | None = None,
+                 residual_dtype: torch.dtype | None = None
+                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``attn_res_fwd``'s out (``grad_out``, a contiguous [M, d] in any float dtype):
-    (dv_i [M, d] in the sources' dtype, dq̃ [d] fp32, the norm weight's gradient in its dtype or None).
-    ``grad_in``: per source, None or a contiguous [M, d] gradient it already has from elsewhere, added
-    into its dv_i in the kernel (one read instead of a separate add's two reads and a write)."""
+    (dv_i [M, d] in the sources' dtype, dq̃ [d] fp32, the norm weight's gradient in its dtype or None, the
+    residual's gradient or None). ``sources`` are those the forward mixed (with a residual: its last
+    source, the sum). ``grad_in``: per source, None or a contiguous [M, d] gradient it already has from
+    elsewhere, added into its dv_i in the kernel (one read instead of a separate add's two reads and a
+    write). ``residual_dtype``: the forward had a residual of that dtype; its gradient is the last
+    source's dv (written by the row kernel as it writes dv)."""
     M, D = sources[0].shape
     dvs = [torch.empty_like(v) for v in sources]
     grad_in = grad_in or [None] * len(sources)
     if M * D == 0:
         zeros = torch.zeros(D, dtype=torch.float32, device=qt.device)
-        return dvs, zeros, None if norm_weight is None else zeros.to(norm_weight.dtype)
+        dres = None if residual_dtype is None else dvs[-1].to(residual_dtype)
+        return dvs, zeros, None if norm_weight is None else zeros.to(norm_weight.dtype), dres
     n, meta, rows = _launch(M, D, len(sources), sources[0], backward=True)
     # the row kernels write each program's row once; the chunked ones add into it chunk by chunk
     parts = torch.empty if rows else torch.zeros
     dq_parts = parts((n, D), dtype=torch.float32, device=qt.device)
     dnw_parts = dq_parts if norm_weight is None else parts((n, D), dtype=torch.float32, device=qt.device)
     nw = qt if norm_weight is None else norm_weight
-    kernel = _attn_res_bwd_rows_kernel if rows else _attn_res_bwd_kernel
     has_in = sum(1 << i for i, gi in enumerate(grad_in) if gi is not None)
-    kernel[(n,)](*_slots(sources), *_slots(dvs), *_slots([v if gi is None else gi for v, gi in zip(sources, grad_in)]),
-                 qt, nw, grad_out, r, a, dq_parts, dnw_parts, M, D, norm_eps, NORM=norm_weight is not None,
-                 GRAD_IN=has_in, **meta)
+    args = (*_slots(sources), *_slots(dvs), *_slots([v if gi is None else gi for v, gi in zip(sources, grad_in)]))
+    dres = None
+    if rows:
+        add_last = residual_dtype is not None
+        dres = torch.empty(sources[-1].shape, dtype=residual_dtype, device=qt.device) if add_last else None
+        _attn_res_bwd_rows_kernel[(n,)](*args, qt if dres is None else dres, qt, nw, grad_out, r, a, dq_parts,
+                                        dnw_parts, M, D, norm_eps, NORM=norm_weight is not None, GRAD_IN=has_in,
+                                        ADD_LAST=add_last, **meta)
+    else:
+        _attn_res_bwd_kernel[(n,)](*args, qt, nw, grad_out, r, a, dq_parts, dnw_parts, M, D, norm_eps,
+                                   NORM=norm_weight is not None, GRAD_IN=has_in, **meta)
+        dres = None if residual_dtype is None else dvs[-1].to(residual_dtype)
     dnw = None if norm_weight is None else dnw_parts.sum(0).to(norm_weight.dtype)
-    return dvs, dq_parts.sum(0), dnw
+    return dvs, dq_parts.sum(0), dnw, dres

@@ -228,13 +228,17 @@ def test_triton_model_equals_reference_path(monkeypatch):
     want, want_grads = loss_and_grads()
     calls = []
 
-    def kernel(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through):
-        calls.append(len(sources))
-        return attn_res_site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through, backend="triton")
+    def kernel(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through, residual=None):
+        calls.append((len(sources), residual is not None))
+        return attn_res_site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through, backend="triton",
+                             residual=residual)
 
     monkeypatch.setattr(model_attn_res, "attn_res_site", kernel)
     got, got_grads = loss_and_grads()
-    assert len(calls) == 2 * ModelConfig().num_layers + 1 and max(calls) == 4
+    cfg = ModelConfig()
+    assert len(calls) == 2 * cfg.num_layers + 1 and max(n for n, _ in calls) == 4
+    # the mlp site of every layer that writes no block adds its attention branch itself
+    assert sum(res for _, res in calls) == sum(i % cfg.attn_res_block_size != 0 for i in range(cfg.num_layers))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got_grads.keys() == want_grads.keys()
     for n, g in want_grads.items():
@@ -246,17 +250,20 @@ def test_triton_model_equals_reference_path(monkeypatch):
 def test_triton_custom_op_registration():
     """k3::attn_res's and k3::attn_res_backward's schemas and fake shapes (what torch.compile relies on)
     agree with the kernels, here at 3 sources, without the norm and with it (bf16 out), the backward
-    with an incoming gradient for two of the sources."""
+    with an incoming gradient for two of the sources; and with a bf16 residual added to the last source."""
     sources, w, gain, go = random_inputs(3, (2, 5, 96), seed=4)
     sources = [v.float().to(DEV) for v in sources]
     qt = (w.view(-1) * gain).float().contiguous().to(DEV)  # on the sources' device
     nw = (torch.rand(96) + 0.5).to(DEV)
-    for norm in [(None, 0.0, None), (nw, 1e-6, torch.bfloat16)]:
-        torch.library.opcheck(torch.ops.k3.attn_res, (qt, sources, *norm))
-        out, r, a = torch.ops.k3.attn_res(qt, sources, *norm)
+    residual = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
+    for norm, res in [((None, 0.0, None), None), ((nw, 1e-6, torch.bfloat16), None), ((nw, 1e-6, torch.bfloat16), residual)]:
+        torch.library.opcheck(torch.ops.k3.attn_res, (qt, sources, *norm, res))
+        out, r, a, last = torch.ops.k3.attn_res(qt, sources, *norm, res)
+        mixed = sources if res is None else [*sources[:-1], last]
         grad_in = [None, sources[0] * 0.5, sources[2] + 1.0]
         torch.library.opcheck(torch.ops.k3.attn_res_backward,
-                              (sources, qt, go.to(out).contiguous(), r, a, norm[0], norm[1], grad_in))
+                              (mixed, qt, go.to(out).contiguous(), r, a, norm[0], norm[1], grad_in,
+                               None if res is None else res.dtype))
 
 
 @triton_cpu
@@ -287,24 +294,26 @@ def test_passed_sources_carry_later_gradients(S, shape, passed):
 
 
 @triton_cpu
-def test_passed_sources_under_compile_sum_in_the_kernels():
-    """Two sites in a row, the second reading what the first passed on, compiled (AOT autograd): the
-    gradients equal the eager ones, and the backward graph adds no source-shaped tensors (the sums
-    happen inside the sites' backward kernels)."""
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_passed_sources_under_compile_sum_in_the_kernels(with_residual):
+    """Two sites in a row, the second reading what the first passed on (and, with a residual, adding a
+    branch to the last of them), compiled (AOT autograd): the gradients equal the eager ones, and the
+    backward graph adds no source-shaped tensors (the sums happen inside the sites' backward kernels)."""
     from torch._dynamo.backends.common import aot_autograd
 
     sources, w, gain, _ = random_inputs(3, (2, 5, 96), seed=60)
     params = [t.float() for t in (w, gain, torch.rand(96, dtype=torch.float64) + 0.5)]
     g = torch.Generator().manual_seed(61)
-    c1, c2, c3 = (torch.randn(2, 5, 96, generator=g).to(DEV) for _ in range(3))
+    c1, c2, c3, branch = (torch.randn(2, 5, 96, generator=g).to(DEV) for _ in range(4))
 
-    def two_sites(v0, v1, v2, w_, gain_, nw):  # each tensor read once: every sum is one the sites take
+    def two_sites(v0, v1, v2, w_, gain_, nw, b):  # each tensor read once: every sum is one the sites take
         y1, passed = attn_res_site([v0, v1, v2], w_, gain_, nw, 1e-6, None, 3, backend="triton")
-        y2, (p2,) = attn_res_site(passed, w_ * 0.5, gain_, nw, 1e-6, None, 1, backend="triton")
+        y2, (p2,) = attn_res_site(passed, w_ * 0.5, gain_, nw, 1e-6, None, 1, backend="triton",
+                                  residual=b if with_residual else None)
         return (y1 * c1).sum() + (y2 * c2).sum() + (p2 * c3).sum()
 
     def grads(fn):
-        leaves = _leaves([*[v.float() for v in sources], *params])
+        leaves = _leaves([*[v.float() for v in sources], *params, branch.to(torch.bfloat16)])
         fn(*leaves).backward()
         return [t.grad for t in leaves]
 
@@ -322,6 +331,38 @@ def test_passed_sources_under_compile_sum_in_the_kernels():
     for i, (x, ref) in enumerate(zip(got, want)):
         torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"grad {i}: {m}")
     assert backward_adds == [], [n.format_node() for n in backward_adds]
+
+
+@triton_cpu
+@pytest.mark.parametrize("S, shape", [(3, (2, 5, 96)), (1, (13, 96)), (2, (3, 1000))], ids=str)
+def test_triton_residual_is_added_to_the_last_source(S, shape):
+    """attn_res_site(..., residual=b): the last source is v_{S-1} + b (bf16 b, fp32 sources), formed by the
+    kernel (rows of 96; the chunked path, d = 1000, adds first), passed on in place of v_{S-1}. The sum
+    equals torch's exactly; the output, and every gradient (b's included, with a later reader of the sum
+    sending one into the site), equal the torch path's."""
+    sources, w, gain, _ = random_inputs(S, shape, seed=70 + S)
+    g = torch.Generator().manual_seed(80 + S)
+    nw = torch.rand(shape[-1], generator=g) + 0.5
+    residual = torch.randn(shape, generator=g).to(torch.bfloat16)
+    c1, c2 = (torch.randn(shape, generator=g).to(DEV) for _ in range(2))
+
+    def run(backend):
+        *vs, wl, gl, rl = _leaves([*[v.float() for v in sources], w.float(), gain.float(), residual])
+        y, passed = attn_res_site(vs, wl, gl, nw.to(DEV), 1e-6, None, 1, backend=backend, residual=rl)
+        ((y * c1).sum() + (passed[-1] * c2).sum()).backward()
+        return y, passed[-1], [t.grad for t in (*vs, wl, gl, rl)]
+
+    y_ref, p_ref, grads_ref = run("torch")
+    y, p, grads = run("triton")
+    assert torch.equal(p, p_ref) and p.dtype == torch.float32
+    _assert_near(y, y_ref, float(y_ref.abs().max()), "y")
+    names = [*(f"dv{i}" for i in range(S)), "dw", "dgain", "dres"]
+    for name, got, want in zip(names, grads, grads_ref):
+        assert got.dtype == want.dtype, name
+        if name == "dres":  # bf16: the same fp32 value rounded once either way
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6 * float(want.abs().max()))
+        else:
+            _assert_near(got, want, float(want.abs().max()), name)
 
 
 def test_triton_cpu_subprocess():

@@ -99,9 +99,11 @@ def test_policy_matches_none_bit_for_bit(policy):
 @pytest.mark.parametrize("policy", ("attn_res", "full"))
 def test_triton_attn_res_sites_recompute_like_none(policy, monkeypatch):
     """The AttnRes sites on their Triton path (through the interpreter, each passing its sources on
-    as on a GPU): recomputing the sites, or whole layers, gives none's step bit for bit."""
-    def site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through):
-        return attn_res_site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through, backend="triton")
+    as on a GPU, the mlp sites adding their attention branch): recomputing the sites, or whole layers, gives
+    none's step bit for bit."""
+    def site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through, residual=None):
+        return attn_res_site(sources, query, gain, norm_weight, norm_eps, out_dtype, pass_through, backend="triton",
+                             residual=residual)
 
     monkeypatch.setattr(attn_res_module, "attn_res_site", site)
     monkeypatch.setattr(triton_attn_res, "INTERPRET_BLOCKS", (64, 64))  # one program a micro-batch: quicker
