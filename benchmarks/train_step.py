@@ -76,6 +76,7 @@ from k3train.parallel.state import ParallelGroups, destroy_parallel, init_parall
 from k3train.precision.main_params import MainParams
 from k3train.training.compile import begin_forward, compile_layers
 from k3train.training.flops import train_flops_per_token
+from k3train.training.kernel_time import format_summary, kernel_summary
 from k3train.training.module_time import format_table, module_ranges, time_by_module
 from k3train.training.recompute import apply_recompute
 from packed_documents import packed_position_ids
@@ -411,27 +412,9 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
     return rows
 
 
-# Kernel kinds for --profile, first match wins: inductor's generated pointwise and reduction kernels
-# (triton_poi/per/red_*: mostly fused adds and casts; their names quote the ops they fuse), then by library,
-# the project's own Triton kernels by their names (kernels/).
-KINDS = (("inductor fused", ("triton_poi_", "triton_per_", "triton_red_")),
-         ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "grouped_mm", "matmul", "_grouped_wgrad_")), ("kda", ("kda", "chunk_")),
-         ("attention", ("flash", "fmha", "attention", "efficient", "sdpa")), ("nccl", ("nccl",)),
-         ("attn_res", ("_attn_res_",)), ("situ", ("_situ_",)), ("cross-entropy", ("_ce_",)),
-         ("rms_norm", ("_rms_norm_",)), ("short conv", ("_short_conv_",)),
-         ("moe glue", ("_dispatch_", "_combine_", "_route_", "_histogram_")),
-         ("optimizer", ("adam", "_ns_", "_nesterov_", "_apply_kernel")), ("grad accumulate", ("_accumulate_kernel",)),
-         ("triton (other)", ("triton",)), ("copy/cast", ("copy", "cast", "convert")),
-         ("reduce", ("reduce", "norm", "softmax")))
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "elementwise/other")
-
-
 def profile(step, model: torch.nn.Module | None) -> dict:
-    """Two profiled steps: wall time, GPU busy time, kernel count, time by kernel kind, top kernels; with
+    """Two profiled steps: wall time, GPU busy time and span, kernel count, time by kernel kind, top kernels
+    (``k3train.training.kernel_time``); with
     an eager ``model``, also GPU time and kernels by module, forward and backward (module_time.py)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -443,28 +426,9 @@ def profile(step, model: torch.nn.Module | None) -> dict:
             step()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / 2
-    # GPU events, less the module and optimizer ranges that the profiler also mirrors onto the GPU timeline
-    kernels = [e for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
-    busy_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / 2
-    by_kind: dict[str, float] = {}
-    by_name: dict[str, list] = {}  # name -> [ms per step, launches per step]
-    for e in kernels:
-        ms = e.time_range.elapsed_us() / 1e3 / 2
-        by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + ms
-        entry = by_name.setdefault(e.name, [0.0, 0])
-        entry[0] += ms
-        entry[1] += 0.5
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])
-    print(f"profiled step: wall {wall_ms:.1f} ms, GPU busy {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%}), "
-          f"{len(kernels) // 2} kernels per step")
-    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:<18} {ms:8.2f} ms {ms / busy_ms:6.1%}")
-    print("top kernels (ms and launches per step):")
-    for name, (ms, launches) in top[:30]:
-        print(f"  {ms:8.2f} {launches:6.0f}x  {name[:110]}")
-    result = {"wall_ms": wall_ms, "gpu_busy_ms": busy_ms, "kernels_per_step": len(kernels) // 2,
-              "by_kind_ms": by_kind, "kernels_ms_launches": dict(top)}
+    summary = kernel_summary(prof.events(), steps=2)
+    print(f"profiled step: wall {wall_ms:.1f} ms; " + format_summary(summary))
+    result = {"wall_ms": wall_ms, **summary}
     if model is not None:  # GPU kernel time, then host time (ops' own CPU time: dispatch and launch)
         for key, device in (("by_module", True), ("by_module_host", False)):
             result[key] = by_module = {

@@ -17,7 +17,9 @@ Other CUDA steps are not timed (their host clock would measure kernel launches o
 ``StepProfiler`` (``train.profile_steps=[a, b]``) runs ``torch.profiler`` from step a to step b and
 writes ``<out_dir>/profile/trace_rank<r>_steps<a>-<b>.json`` (Chrome trace format: chrome://tracing or
 https://ui.perfetto.dev), with the phases as labelled ranges; on CUDA also the allocator's history
-``memory_rank<r>_steps<a>-<b>.pickle`` (https://pytorch.org/memory_viz). Given the (eager) model, it
+``memory_rank<r>_steps<a>-<b>.pickle`` (https://pytorch.org/memory_viz) and the kernels' per-step summary
+``kernels_rank<r>_steps<a>-<b>.json`` (``kernel_time.py``: GPU busy time against the span the steps took on
+the GPU, time by kind of kernel; rank 0 prints it). Given the (eager) model, it
 also charges the window's time to modules, forward and backward (``module_time.py``: GPU kernel time
 on CUDA, CPU self time otherwise), per step: ``by_module_rank<r>_steps<a>-<b>.json``, and rank 0
 prints the largest rows.
@@ -34,6 +36,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from k3train.training.kernel_time import format_summary, kernel_summary
 from k3train.training.module_time import format_table, module_ranges, time_by_module
 
 PHASES = ("data", "fwd_bwd", "comm", "optimizer")
@@ -119,12 +122,20 @@ class StepProfiler:
         self.out.mkdir(parents=True, exist_ok=True)
         name = f"rank{self.rank}_steps{self.first}-{self.last}"
         self._prof.export_chrome_trace(str(self.out / f"trace_{name}.json"))
+        if self.device.type == "cuda":
+            self._write_kernels(name)
         if self.model is not None:
             self._write_by_module(name)
         self._prof = None
         if self.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(str(self.out / f"memory_{name}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _write_kernels(self, name: str) -> None:
+        summary = kernel_summary(self._prof.events(), self.last - self.first + 1)
+        (self.out / f"kernels_{name}.json").write_text(json.dumps(summary, indent=1))
+        if self.rank == 0:
+            print(f"profiled steps {self.first}-{self.last}: " + format_summary(summary, top=15), flush=True)
 
     def _write_by_module(self, name: str) -> None:
         device = self.device.type == "cuda"

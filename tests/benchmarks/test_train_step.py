@@ -135,18 +135,3 @@ def test_benchmark_runs_data_parallel_on_two_ranks(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["world_size"] == 2 and set(row["phase_ms"]) == set(train_step.PHASES)
     assert row["tokens_per_s"] > 0 and torch.isfinite(torch.tensor([row["first_loss"], row["loss"]])).all()
-
-
-def test_profile_kernel_kinds():
-    """--profile's grouping: our Triton kernels by name, inductor's fused kernels apart from them, the rest by
-    library (names as the H200 profiler reports them)."""
-    kinds = {"_attn_res_bwd_rows_kernel": "attn_res", "_situ_fwd_kernel": "situ", "_ce_grad_kernel": "cross-entropy",
-             "_rms_norm_bwd_kernel": "rms_norm", "_short_conv_fwd_kernel": "short conv",
-             "_combine_bwd_kernel": "moe glue", "_histogram_kernel": "moe glue", "kda_bwd_kernel": "kda",
-             "triton_poi_fused__to_copy_add_attn_res_backward_view_4": "inductor fused",
-             "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm", "_grouped_wgrad_kernel": "gemm",
-             "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3": "gemm",
-             "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
-             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
-             "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>": "elementwise/other"}
-    assert {name: train_step.kernel_kind(name) for name in kinds} == kinds
