@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from kernels.grouped_wgrad import triton_grouped_wgrad  # noqa: E402
+from moe_shapes import add_moe_dims  # noqa: E402
 from op_timing import graph_ms  # noqa: E402
 
 
@@ -38,11 +39,7 @@ def routed_counts(tokens: int, experts: int, k: int, skew: float) -> torch.Tenso
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--latent", type=int, default=512)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=32768)
+    add_moe_dims(ap, tokens=32768)
     ap.add_argument("--tiles", nargs="*", default=["x".join(map(str, triton_grouped_wgrad.GPU_TILES))],
                     metavar="BMxBNxBKxWARPSxSTAGES")
     ap.add_argument("--json", default="grouped_wgrad.json")

@@ -53,6 +53,7 @@ from k3train.model.router import SigmoidRouter  # noqa: E402
 from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+from moe_shapes import add_moe_dims  # noqa: E402
 from op_timing import graph_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -232,11 +233,7 @@ def main(argv=None):
     ap.add_argument("--ep", action="store_true",
                     help="under torchrun: expert parallelism, alltoall vs balanced vs Megatron-Core's dispatcher "
                          "(benchmarks/moe_ep.py; every other flag is its own)")
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--latent", type=int, default=512)
-    ap.add_argument("--width", type=int, default=256, help="expert intermediate size I")
-    ap.add_argument("--tokens", type=int, default=16384)
+    add_moe_dims(ap, tokens=16384)
     ap.add_argument("--router-dim", type=int, default=1024, help="router input width d (natural)")
     ap.add_argument("--routing", default="natural,skewed")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

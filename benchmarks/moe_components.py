@@ -35,6 +35,7 @@ from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # n
 from kernels.qb_histogram import histogram_add  # noqa: E402
 from kernels.qb_histogram import reference as qb_reference  # noqa: E402
 from kernels.situ import situ_glu_packed, triton_situ  # noqa: E402
+from moe_shapes import add_moe_dims  # noqa: E402
 from op_timing import graph_ms, median_ms  # noqa: E402
 
 
@@ -62,11 +63,7 @@ def qb_histogram(N: int, E: int, bins: int = 1000) -> dict[str, tuple[float, str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--latent", type=int, default=512)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=16384)
+    add_moe_dims(ap, tokens=16384)
     ap.add_argument("--permute-tiles", nargs="*", default=[], metavar="ELEMSxWARPS",
                     help="also time the Triton gather and combine at these tiles")
     ap.add_argument("--situ-tiles", nargs="*", default=[], metavar="ELEMSxWARPS",

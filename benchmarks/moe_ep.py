@@ -51,6 +51,7 @@ from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import token_dispatcher  # noqa: E402
 from moe import failure, rel  # noqa: E402
 from moe_ep_megatron import MegatronAlltoAll, on_host  # noqa: E402
+from moe_shapes import add_moe_dims  # noqa: E402
 
 CASES = ("natural", "skewed", "zero-load", "rotating")
 PHASES = ("dispatch", "experts", "combine", "backward")
@@ -223,11 +224,7 @@ def rows_to_run(names, args, groups, device) -> tuple[list[Row], dict]:
     return rows, info
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--latent", type=int, default=512)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
+    add_moe_dims(ap, tokens=16384, tokens_help="tokens per rank")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--dispatchers", default="alltoall,balanced,megatron")
     ap.add_argument("--warmup", type=int, default=3)
