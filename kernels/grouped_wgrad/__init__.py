@@ -7,10 +7,10 @@
 * ``"auto"``: ``"triton"`` for bf16/fp16 CUDA tensors on sm_90 and newer (the kernel reads through TMA
   descriptors), ``"torch"`` otherwise;
 * ``"triton"``: ``triton_grouped_wgrad.py``, one program per (expert, output tile), largest experts first.
-  ``torch._grouped_mm``'s K-grouped GEMM, which autograd uses for this product, ran at about 200 TFLOP/s
-  in the compiled bench-1B step (both operands MN-major; `docs/moe_notes.md`). Under ``torch.compile``
-  through the custom op ``k3::grouped_wgrad``; on CPU through Triton's interpreter (``TRITON_INTERPRET=1``
-  before triton is imported), in fp32 too;
+  ``torch._grouped_mm``'s K-grouped GEMM (both operands MN-major), which autograd uses for this product,
+  ran at about 175 TFLOP/s in the compiled bench-1B step: 14.1 ms a micro-batch against this kernel's 8.15
+  (``docs/moe_notes.md``). Under ``torch.compile`` through the custom op ``k3::grouped_wgrad``; on CPU
+  through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported), in fp32 too;
 * ``"torch"``: ``reference.grouped_wgrad_aten``, what autograd computes for ``torch._grouped_mm``.
 
 Both read rows whose pitch is a multiple of 16 bytes (TMA's and ``torch._grouped_mm``'s requirement).

@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-# (BM, BN, BK, warps, stages) on the GPU; the interpreter takes small tiles.
+# (BM, BN, BK, warps, stages) on the GPU: the fastest of seven tiles at bench-1B's W13 and W2 on one H200
+# (docs/results/grouped_wgrad_tiles_h200_2026-12-02.json), although it takes 255 registers and spills 408 bytes
+# (Triton 3.6, sm_90; 128×128 takes 152 and is 3-6% slower). The interpreter takes small tiles.
 GPU_TILES = (128, 256, 64, 8, 3)
 INTERPRETER_TILES = (16, 16, 16, 4, 1)
 
