@@ -44,7 +44,11 @@ all-reduce started during the backward (``GradBuffers.last_backward``) and finis
 phase, Muon's Newton–Schulz shared out over the ranks, QB over all of them. The figures are the slowest
 rank's (the largest mean step and phase times); tokens/s counts every rank's tokens, TFLOP/s and MFU are
 per GPU; rank 0 prints and writes the JSON (``world_size`` in each row).
-Writes JSON: ``{"rows": [one per variant, with "kda", "optim" and "compile"], "ours_over_fla": {...} or null}``.
+``--ablate wgrad site-residual`` also times, after those, our model with one piece at a time swapped for
+what it replaced (``ablated``): each a fresh model on the same batch, so the ratio to the "ours" row is a
+same-process A/B of what the piece is worth (``ablated_over_ours``: > 1, the piece helps).
+Writes JSON: ``{"rows": [one per variant, with "kda", "ablation", "optim" and "compile"], "ours_over_fla":
+{...} or null, "ablated_over_ours": {...} or null}``.
 
 Without CUDA the step runs on CPU in fp32 (the trainer's ``precision: auto`` there; our kernels' torch
 references), with host-clock phase times and no MFU: a smoke run, not a measurement.
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import io
 import json
@@ -61,12 +66,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 from k3train.config.schema import COMPILE_MODES, RECOMPUTE_POLICIES, ModelConfig, OptimConfig, ParallelConfig
 from k3train.model import document_attention
+from k3train.model import moe as moe_module
+from k3train.model.attn_res import AttnResAggregator
 from k3train.model.k3 import K3Model
 from k3train.model.kda import KimiDeltaAttention
 from k3train.optim.builder import build_optimizer
@@ -79,12 +87,40 @@ from k3train.training.flops import train_flops_per_token
 from k3train.training.kernel_time import format_summary, kernel_summary
 from k3train.training.module_time import format_table, module_ranges, time_by_module
 from k3train.training.recompute import apply_recompute
+from kernels.grouped_wgrad import grouped_wgrad
 from packed_documents import packed_position_ids
 
 MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
 DATASHEET_TFLOPS = 989.0
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ("forward", "backward", "comm", "optimizer", "qb")
+ABLATIONS = ("wgrad", "site-residual")
+
+
+@contextlib.contextmanager
+def ablated(name: str):
+    """Within it, models built run one of our pieces as what it replaced (``ABLATIONS``):
+
+    * ``wgrad``: the routed experts' weight gradient by autograd's K-grouped ``torch._grouped_mm``
+      (``kernels.grouped_wgrad``'s torch path) instead of our kernel;
+    * ``site-residual``: P + Attn(x_a) as a separate add before the mlp site reads it, instead of the
+      site adding it (``attn_res_site(..., residual=b)``).
+    """
+    if name not in ABLATIONS:
+        raise ValueError(f"unknown ablation {name!r}; expected one of {ABLATIONS}")
+    if name == "wgrad":
+        patch = mock.patch.object(moe_module, "grouped_wgrad", functools.partial(grouped_wgrad, backend="torch"))
+    else:
+        site = AttnResAggregator.forward
+
+        def add_first(self, sources, out_norm, pass_through=0, residual=None):
+            if residual is not None:
+                sources = [*sources[:-1], sources[-1] + residual]
+            return site(self, sources, out_norm, pass_through)
+
+        patch = mock.patch.object(AttnResAggregator, "forward", add_first)
+    with patch:
+        yield
 
 
 def model_config(name: str) -> ModelConfig:
@@ -199,6 +235,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--document-attention", choices=document_attention.WAYS, default=None,
                     help="MLA's attention over packed rows, with --mean-doc (k3train/model/document_attention.py; "
                          "default: the model's, DOCUMENT_ATTENTION)")
+    ap.add_argument("--ablate", nargs="+", choices=ABLATIONS, default=[],
+                    help="also time our model with each of these pieces swapped for what it replaced (see ablated)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile two steps (kernels by kind and time), of the last variant timed")
     args = ap.parse_args(argv)
@@ -243,19 +281,39 @@ def run(args, device: torch.device, groups: ParallelGroups | None) -> list[dict]
     x, y = tokens[:, :-1], tokens[:, 1:]
     pos = None if args.mean_doc is None else packed_position_ids(args.batch, args.seq, args.mean_doc)  # on the host
 
-    print(f"{'model':>12} {'n×B×T':>12} {'kda':>6} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
+    print(f"{'model':>12} {'n×B×T':>12} {'variant':>18} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
     rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, x, y, pos, device, groups)]
-    by = {r["kda"]: r for r in rows if not r["compile"]}
+    for name in args.ablate:
+        with ablated(name):
+            rows += run_variant("ours", args, cfg, ocfg, x, y, pos, device, groups, ablation=name)
+    by = {r["kda"]: r for r in rows if not r["compile"] and r["ablation"] is None}
     ratio = None
     if "ours" in by and "fla" in by:
         ours, fla = by["ours"], by["fla"]
         ratio = {"step_ms": ours["step_ms"] / fla["step_ms"],
                  **{k: ours["phase_ms"][k] / fla["phase_ms"][k] for k in PHASES if fla["phase_ms"][k] > 0}}
         print("time ours/fla (< 1: ours faster): " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()))
+    ablated_over_ours = ablation_ratios(rows, args.compile)
+    for name, r in (ablated_over_ours or {}).items():
+        print(f"time without {name} / ours (> 1: it helps): " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
     if groups is None or groups.rank == 0:
-        Path(args.json).write_text(json.dumps({"rows": rows, "ours_over_fla": ratio}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "ours_over_fla": ratio,
+                                               "ablated_over_ours": ablated_over_ours}, indent=2))
     return rows
+
+
+def ablation_ratios(rows: list[dict], compiled: bool) -> dict | None:
+    """Per ablation: its step (mean and median) and phase times over those of "ours" without one, the
+    compiled rows when there are any; None without ablations."""
+    ours = next((r for r in rows if r["kda"] == "ours" and r["ablation"] is None and r["compile"] == compiled), None)
+    ablations = [r for r in rows if r["ablation"] is not None and r["compile"] == compiled]
+    if ours is None or not ablations:
+        return None
+    return {r["ablation"]: {"step_ms": r["step_ms"] / ours["step_ms"],
+                            "step_ms_median": r["step_ms_median"] / ours["step_ms_median"],
+                            **{k: r["phase_ms"][k] / ours["phase_ms"][k] for k in PHASES if ours["phase_ms"][k] > 0}}
+            for r in ablations}
 
 
 def _fmt(v, spec: str, width: int) -> str:
@@ -263,9 +321,11 @@ def _fmt(v, spec: str, width: int) -> str:
 
 
 def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Tensor, y: torch.Tensor,
-                pos: torch.Tensor | None, device: torch.device, groups: ParallelGroups | None) -> list[dict]:
+                pos: torch.Tensor | None, device: torch.device, groups: ParallelGroups | None,
+                ablation: str | None = None) -> list[dict]:
     """Build the model (seed 0) with the ``kda`` kernel, time ``args.steps`` steps, print its line; with
-    ``args.compile`` then compile its layers and time it again. Its rows (eager, then compiled)."""
+    ``args.compile`` then compile its layers and time it again. Its rows (eager, then compiled), marked
+    with the ``ablation`` they ran under (``ablated``, entered by the caller) or None."""
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = K3Model(cfg).to(device)
@@ -363,7 +423,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         tok = args.accum * args.batch * args.seq  # per rank
         tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12  # per GPU
         dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
-        row = {"model": args.model, "kda": kda, "optim": args.optim, "compile": compiled, "batch": args.batch,
+        row = {"model": args.model, "kda": kda, "ablation": ablation, "optim": args.optim, "compile": compiled, "batch": args.batch,
                "accum": args.accum, "seq": args.seq, "mean_doc": args.mean_doc,
                "document_attention": args.document_attention,
                "dtype": dtype, "recompute": args.recompute,
@@ -375,8 +435,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                "first_loss": float(first), "loss": float(loss), "first_step_s": first_step_s,
                "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
-        name = f"{kda}+c" if compiled else kda
-        print(f"{args.model:>12} {args.accum}×{args.batch}×{args.seq:<7} {name:>6} {args.optim:>5} {args.recompute:>9} "
+        name = (kda if ablation is None else f"{kda}-{ablation}") + ("+c" if compiled else "")
+        print(f"{args.model:>12} {args.accum}×{args.batch}×{args.seq:<7} {name:>18} {args.optim:>5} {args.recompute:>9} "
               f"{row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {tflops:>8.1f} "
               f"{_fmt(row['mfu_datasheet'], '.1%', 9)} {_fmt(row['mfu_measured_gemm'], '.1%', 9)} "
               f"{_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")

@@ -92,6 +92,44 @@ def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_p
     assert f" ours {optim:>5} " in capsys.readouterr().out
 
 
+def test_ablations_time_the_pieces_swapped_out_with_the_same_math_on_cpu(tmp_path, monkeypatch):
+    """--ablate: a row per ablation after ours, and their step-time ratios. Each swaps its piece (the site
+    gets no residual; dW goes to the torch path) and restores it after; on CPU both pieces are the same
+    math as what they replaced, so the losses equal ours bit for bit."""
+    import k3train.model.attn_res as attn_res_module
+    from k3train.model import moe as moe_module
+
+    residuals = []
+    site = attn_res_module.attn_res_site
+
+    def recording_site(*args, residual=None, **kwargs):
+        residuals.append(residual is not None)
+        return site(*args, residual=residual, **kwargs)
+
+    monkeypatch.setattr(attn_res_module, "attn_res_site", recording_site)
+    out = tmp_path / "ts.json"
+    args = ["--model", "k3_tiny", "--batch", "1", "--seq", "32", "--steps", "2", "--warmup", "1", "--kda", "ours",
+            "--optim", "adamw", "--json", str(out)]
+    train_step.main(args)
+    with_residual = sum(residuals)
+    residuals.clear()
+    with train_step.ablated("site-residual"):
+        train_step.main(args)
+    assert with_residual > 0 and sum(residuals) == 0
+    with train_step.ablated("wgrad"):
+        assert moe_module.grouped_wgrad.keywords == {"backend": "torch"}
+    assert moe_module.grouped_wgrad is train_step.grouped_wgrad  # restored
+
+    train_step.main(args + ["--ablate", "wgrad", "site-residual"])
+    res = json.loads(out.read_text())
+    assert [(r["kda"], r["ablation"]) for r in res["rows"]] == [("ours", None), ("ours", "wgrad"),
+                                                               ("ours", "site-residual")]
+    assert set(res["ablated_over_ours"]) == {"wgrad", "site-residual"}
+    ours = res["rows"][0]
+    for r in res["rows"][1:]:
+        assert (r["first_loss"], r["loss"]) == (ours["first_loss"], ours["loss"]), r["ablation"]
+
+
 def test_defaults_come_from_the_trainer_config():
     assert train_step.default_optim() == "muon"  # conf/config.yaml
     muon = train_step.optim_config("muon")
