@@ -17,7 +17,7 @@ AttnRes kernel followed by the RMSNorm kernel ("two kernels": the fp32 mix writt
 and the torch reference; ideal bytes count y and dy in bf16. ``--passed`` adds the fused site as the
 model runs it ("fused, passed": ``attn_res_site`` passing all S sources on, each with a gradient from
 later readers that its backward adds in the kernel; S more fp32 reads backward). ``--residual`` adds, to
-those, the site as the model's mlp sites run it: a bf16 branch b added to the last source, P + b, first by a
+those, the site as the model runs most of its sites: a bf16 branch b added to the last source, P + b, first by a
 separate add ("passed + add") and then inside the kernels ("passed, residual": ``attn_res_site(...,
 residual=b)``); their GB/s count the passed site's bytes only. ``--bwd-programs`` sweeps the backward's
 programs per SM.

@@ -81,7 +81,7 @@ def situ_rows(arch: int) -> list[dict]:
 
 
 def attn_res_rows(arch: int, sources: list[int], tiles: list[tuple[int, int]], d: int = 1024) -> list[dict]:
-    """The AttnRes row kernels as the model's mlp sites run them: the norm, fp32 sources, a bf16 output, a
+    """The AttnRes row kernels as the model runs most of its sites: the norm, fp32 sources, a bf16 output, a
     bf16 residual added to the last source, every source passed on (backward), at d features and each
     (tokens, warps) tile."""
     rows = []

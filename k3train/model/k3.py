@@ -1,8 +1,8 @@
 """The K3 language backbone (K3_SPEC.md §2): embedding → L K3 layers → AttnRes output → LM head.
 
-    P = embed(tokens); B = []
-    for l in layers: B, P = layer_l(B, P)
-    h = RMSNorm_final(Agg_out(B ∪ [P]));  logits = lm_head(h)   (vocabulary sharded over TP)
+    P = embed(tokens); B = []; pending = None
+    for l in layers: B, P, pending = layer_l(B, P, pending)       (the running sum is P + pending)
+    h = RMSNorm_final(Agg_out(B ∪ [P + pending]));  logits = lm_head(h)   (vocabulary sharded over TP)
 
 ``forward(tokens, position_ids, labels=None, loss_mask=None)`` returns the mean token loss
 when labels are given, else the (TP-local) logits [B, T, V/tp].
@@ -89,9 +89,10 @@ class K3Model(nn.Module):
         return self.embed_tokens(tokens).float()
 
     def head(self, bank: list[torch.Tensor], partial: torch.Tensor, labels: torch.Tensor | None = None,
-             loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Output AttnRes over B ∪ [P], final norm, LM head; the mean token loss when labels are given."""
-        h, _ = self.output_attn_res([*bank, partial], self.norm)
+             loss_mask: torch.Tensor | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Output AttnRes over B ∪ [P + pending], final norm, LM head; the mean token loss when labels are
+        given."""
+        h, _ = self.output_attn_res([*bank, partial], self.norm, residual=pending)
         logits = self.lm_head(h)
         if labels is None:
             return logits
@@ -109,6 +110,7 @@ class K3Model(nn.Module):
         docs = self.documents(tokens, position_ids, documents)
         partial = self.embed(tokens)
         bank: list[torch.Tensor] = []
+        pending = None
         for layer in self.layers:
-            bank, partial = layer(bank, partial, docs)
-        return self.head(bank, partial, labels, loss_mask)
+            bank, partial, pending = layer(bank, partial, docs, pending)
+        return self.head(bank, partial, labels, loss_mask, pending)

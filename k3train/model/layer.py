@@ -10,6 +10,10 @@ For layer l with block size S:
     P  += Attn_l(x_a)
     x_m = RMSNorm_post(Agg_mlp(B ∪ [P]))
     P  += FFN_l(x_m)
+
+Each ``P += branch`` is done by the AttnRes site that reads P next (``residual=``, fused in its kernels):
+Attn_l's by this layer's mlp site, FFN_l's by the next layer's attention site (or the output site), so a
+layer returns P without its FFN output, and that output as ``pending`` (its caller passes it on).
 """
 
 from __future__ import annotations
@@ -45,14 +49,18 @@ class K3Layer(nn.Module):
         else:
             self.mlp = SiTUMLP(tp, d, cfg.dense_intermediate_size, cfg.situ_beta, cfg.situ_linear_beta)
 
-    def forward(self, bank: list[torch.Tensor], partial: torch.Tensor, docs: Documents
-                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def forward(self, bank: list[torch.Tensor], partial: torch.Tensor, docs: Documents,
+                pending: torch.Tensor | None = None
+                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(B, P, pending) → (B', P', pending'): the running sum is P + pending (pending: the previous
+        layer's FFN output, or None), and this layer's own FFN output comes back as pending'."""
         # every site passes all its sources on (AttnResAggregator): their gradients add up in its backward
-        x_a, (*bank, partial) = self.self_attention_res([*bank, partial], self.input_layernorm, len(bank) + 1)
+        x_a, (*bank, partial) = self.self_attention_res([*bank, partial], self.input_layernorm, len(bank) + 1,
+                                                        residual=pending)
         if self.writes_block:
             bank, partial, branch = [*bank, partial], self.self_attn(x_a, docs).float(), None
         else:  # P + Attn(x_a) is formed by the site that reads it (fp32 + bf16 → fp32, exact)
             branch = self.self_attn(x_a, docs)
         x_m, (*bank, partial) = self.mlp_res([*bank, partial], self.post_attention_layernorm, len(bank) + 1,
                                              residual=branch)
-        return bank, partial + self.mlp(x_m)
+        return bank, partial, self.mlp(x_m)

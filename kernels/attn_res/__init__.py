@@ -195,17 +195,17 @@ def attn_res_site(sources: list[torch.Tensor], query: torch.Tensor, gain: torch.
     path returns the originals, and autograd sums as usual).
 
     ``residual`` (of the sources' shape, any float dtype): the last source is sources[-1] + residual,
-    in the sources' dtype (a residual-stream add, e.g. P + Attn(x)); it is passed on (``pass_through`` ≥ 1)
-    in place of sources[-1]. The row kernels form the sum as they read, and write its gradient for the
+    in the sources' dtype (a residual-stream add, e.g. P + Attn(x)); passed on, it is the sum that is
+    passed in place of sources[-1]. The row kernels form the sum as they read, and write its gradient for the
     residual as they write sources[-1]'s: one pass fewer over the rows each way than a separate add."""
     d = sources[0].shape[-1]
     if norm_weight.shape != (d,):
         raise ValueError(f"the norm weight {tuple(norm_weight.shape)} must be [{d}], the sources' last dim")
     if not 0 <= pass_through <= len(sources):
         raise ValueError(f"pass_through={pass_through}: pass 0..{len(sources)} of the {len(sources)} sources")
-    if residual is not None and (residual.shape != sources[-1].shape or pass_through < 1):
-        raise ValueError(f"a residual {tuple(residual.shape)} needs the sources' shape {tuple(sources[-1].shape)} "
-                         f"and pass_through ≥ 1 (the sum is passed on), got pass_through={pass_through}")
+    if residual is not None and residual.shape != sources[-1].shape:
+        raise ValueError(f"the residual {tuple(residual.shape)} must have the sources' shape "
+                         f"{tuple(sources[-1].shape)}")
     if _triton_sources(sources, backend):
         out, *passed = _AttnRes.apply(_query(query, gain), norm_weight, float(norm_eps), out_dtype, pass_through,
                                       residual, *sources)

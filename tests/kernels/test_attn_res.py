@@ -237,8 +237,10 @@ def test_triton_model_equals_reference_path(monkeypatch):
     got, got_grads = loss_and_grads()
     cfg = ModelConfig()
     assert len(calls) == 2 * cfg.num_layers + 1 and max(n for n, _ in calls) == 4
-    # the mlp site of every layer that writes no block adds its attention branch itself
-    assert sum(res for _, res in calls) == sum(i % cfg.attn_res_block_size != 0 for i in range(cfg.num_layers))
+    # the mlp site of every layer that writes no block adds its attention branch, the first site of every
+    # layer after the first and the output site add the FFN output of the layer before
+    mlp_sites = sum(i % cfg.attn_res_block_size != 0 for i in range(cfg.num_layers))
+    assert sum(res for _, res in calls) == mlp_sites + cfg.num_layers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got_grads.keys() == want_grads.keys()
     for n, g in want_grads.items():

@@ -156,7 +156,7 @@ def test_attn_res_state_stays_fp32_under_bf16_autocast(tiny):
         h.remove()
     assert logits.dtype == torch.bfloat16  # autocast is on: the linears ran in bf16
     assert states and mixes
-    for bank, partial in states:
+    for bank, partial, _ in states:  # (and the pending FFN output: a branch's output, bf16 from its GEMM)
         assert partial.dtype == torch.float32 and all(row.dtype == torch.float32 for row in bank)
     routed = 0
     for sources, norm, (mix, _) in mixes:  # every read of the bank and the partial sum, and its result

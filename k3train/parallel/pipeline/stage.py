@@ -44,7 +44,9 @@ def keep_stage(model: K3Model, chunks: list[Chunk], stage: int) -> K3Model:
 
 def run_chunk(model: K3Model, chunk: Chunk, docs: Documents, bank: list[torch.Tensor], partial: torch.Tensor
               ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The chunk's layers: (B, P) → (B', P'); B' = B plus the rows this chunk writes."""
+    """The chunk's layers: (B, P) → (B', P'); B' = B plus the rows this chunk writes. Within the chunk a
+    layer's FFN output is added to P by the next layer's first site; the chunk's last one is added here."""
+    pending = None
     for layer in chunk.layers:
-        bank, partial = model.layers[layer](bank, partial, docs)
-    return bank, partial
+        bank, partial, pending = model.layers[layer](bank, partial, docs, pending)
+    return bank, partial if pending is None else partial + pending
