@@ -15,8 +15,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # (BM, BN, BK, warps, stages) on the GPU: the fastest of seven tiles at bench-1B's W13 and W2 on one H200
-# (docs/results/grouped_wgrad_tiles_h200_2026-12-02.json), although it takes 255 registers and spills 408 bytes
-# (Triton 3.6, sm_90; 128×128 takes 152 and is 3-6% slower). The interpreter takes small tiles.
+# (docs/results/grouped_wgrad_tiles_h200_2026-12-02.json; 128×128 was 3-6% slower). Those runs stored dW
+# through 64-bit pointer tiles, which took 255 registers and a 408-byte stack at 128×256 (Triton 3.6, sm_90);
+# with 32-bit offsets within an expert's block it takes 202 and no stack (128×128: 93), not yet timed.
+# The interpreter takes small tiles.
 GPU_TILES = (128, 256, 64, 8, 3)
 INTERPRETER_TILES = (16, 16, 16, 4, 1)
 
@@ -46,8 +48,8 @@ def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: 
         acc = tl.dot(G.load([r, o0]).T, x, acc)
     o = o0 + tl.arange(0, BM)
     c = c0 + tl.arange(0, BN)
-    ptrs = DW + e.to(tl.int64) * O * C + o[:, None] * C + c[None, :]
-    tl.store(ptrs, acc.to(DW.dtype.element_ty), mask=(o[:, None] < O) & (c[None, :] < C))
+    base = DW + e.to(tl.int64) * O * C  # the expert's [O, C] block; offsets within it fit 32 bits
+    tl.store(base + (o[:, None] * C + c[None, :]), acc.to(DW.dtype.element_ty), mask=(o[:, None] < O) & (c[None, :] < C))
 
 
 def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles=None) -> torch.Tensor:
@@ -59,6 +61,8 @@ def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles
     E = offsets.shape[0]
     if M == 0:
         return torch.zeros(E, O, C, dtype=g.dtype, device=g.device)
+    if O * C >= 2**31:
+        raise ValueError(f"an expert's weight [{O}, {C}] has 2^31 elements or more: the kernel's offsets are 32-bit")
     dw = torch.empty(E, O, C, dtype=g.dtype, device=g.device)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
     order = torch.argsort(counts, descending=True, stable=True).to(torch.int32)

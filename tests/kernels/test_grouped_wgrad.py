@@ -61,6 +61,13 @@ def test_triton_kernel_matches_reference(counts, o, c):
 
 
 @triton_cpu
+def test_triton_refuses_weights_past_32_bit_offsets():
+    g, x = torch.zeros(1, 1 << 16, dtype=DTYPE, device=DEV), torch.zeros(1, 1 << 15, dtype=DTYPE, device=DEV)
+    with triton_on_cpu(), pytest.raises(ValueError, match="32-bit"):
+        grouped_wgrad(g, x, torch.tensor([1], dtype=torch.int32, device=DEV), backend="triton")
+
+
+@triton_cpu
 def test_triton_custom_op_opcheck():
     g, x, offsets = _inputs([7, 0, 12], 16, 8, seed=4, dtype=DTYPE, device=DEV)
     torch.library.opcheck(torch.ops.k3.grouped_wgrad.default, (g, x, offsets))
