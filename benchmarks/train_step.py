@@ -22,6 +22,11 @@ fla imports and CUDA is there): each variant is a fresh model from the same seed
 the same batch, with a fresh optimizer of the same config, one after the other in this process; the
 summary line gives the time ratio ours/fla per step and per phase (< 1: ours is faster).
 
+Each row also gives, per timed step, the worst layer's expert load max/mean (step-pooled tokens per
+expert over their mean, this rank's): the routing the MoE GEMMs ran on. The timed steps come a few
+steps after initialisation, whose router is far from balanced (the trainer logs 15–16 at step 10 on
+bench-1B, then 1.5–3 once Quantile Balancing has caught up), which favours kernels that cope with skew.
+
 Per-phase times (forward, backward, comm, optimizer, QB) come
 from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
 prints GPU busy time against wall time (a host-bound step has idle GPU), the kernel count, and the
@@ -316,6 +321,14 @@ def ablation_ratios(rows: list[dict], compiled: bool) -> dict | None:
             for r in ablations}
 
 
+def _load_range(loads: list[torch.Tensor]) -> str:
+    """The timed steps' worst-layer expert load max/mean, as "lo–hi" (or "-" without MoE layers)."""
+    if not loads:
+        return "-"
+    values = [float(v) for v in loads]
+    return f"{min(values):.2f}–{max(values):.2f}"
+
+
 def _fmt(v, spec: str, width: int) -> str:
     return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
 
@@ -342,6 +355,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
 
     moe = model.moe_layers()
     ticks: list[list] = []
+    loads: list[torch.Tensor] = []  # per step: the worst layer's step-pooled expert load max/mean (on the device)
     compiled_mode = None  # set once the layers are compiled
 
     def tick():
@@ -377,6 +391,9 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
             apply_qk_clip(model, ocfg.qk_clip_tau)
         main.sync_model()
         t.append(("optimizer", tick()))
+        if moe:
+            tokens = torch.stack([layer.load.tokens for layer in moe])
+            loads.append((tokens.amax(1) / tokens.mean(1).clamp(min=1e-9)).max())
         for layer in moe:
             layer.update_bias(groups.dp_cp if groups else None)
             layer.load.reset()
@@ -402,6 +419,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         ticks.clear()
+        loads.clear()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             loss = step()
@@ -434,7 +452,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
                "mfu_measured_gemm": tflops / MEASURED_GEMM_TFLOPS if cuda else None,
                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                "first_loss": float(first), "loss": float(loss), "first_step_s": first_step_s,
-               "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms}
+               "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms,
+               "expert_load_max_over_mean": [float(v) for v in loads]}
         name = (kda if ablation is None else f"{kda}-{ablation}") + ("+c" if compiled else "")
         print(f"{args.model:>12} {args.accum}×{args.batch}×{args.seq:<7} {name:>18} {args.optim:>5} {args.recompute:>9} "
               f"{row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {tflops:>8.1f} "
@@ -442,7 +461,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
               f"{_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
         clock = "GPU time between events" if cuda else "host time"
         print(f"  {name}: {args.params} params, {args.optim}; step median {row['step_ms_median']:.1f} ms "
-              f"(min {row['step_ms_min']:.1f}); loss {row['first_loss']:.4f} at the first step; "
+              f"(min {row['step_ms_min']:.1f}); loss {row['first_loss']:.4f} at the first step; expert load "
+              f"max/mean (worst layer) {_load_range(loads)}; "
               f"phases ({clock}, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()), flush=True)
         return row
 

@@ -89,6 +89,8 @@ def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_p
     assert document_attention.DOCUMENT_ATTENTION == "flash"  # the model's default, restored
     assert row["step_ms"] > 0 and set(row["phase_ms"]) == {"forward", "backward", "comm", "optimizer", "qb"}
     assert torch.isfinite(torch.tensor([row["first_loss"], row["loss"]])).all()
+    loads = row["expert_load_max_over_mean"]  # one per timed step, the worst MoE layer's
+    assert len(loads) == 1 and all(1.0 <= v <= 8 / 2 for v in loads), loads  # k3_tiny: at most E / k = 8 / 2
     assert f" ours {optim:>5} " in capsys.readouterr().out
 
 
