@@ -321,12 +321,9 @@ def ablation_ratios(rows: list[dict], compiled: bool) -> dict | None:
             for r in ablations}
 
 
-def _load_range(loads: list[torch.Tensor]) -> str:
+def _load_range(values: list[float]) -> str:
     """The timed steps' worst-layer expert load max/mean, as "lo–hi" (or "-" without MoE layers)."""
-    if not loads:
-        return "-"
-    values = [float(v) for v in loads]
-    return f"{min(values):.2f}–{max(values):.2f}"
+    return f"{min(values):.2f}–{max(values):.2f}" if values else "-"
 
 
 def _fmt(v, spec: str, width: int) -> str:
@@ -453,7 +450,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
                "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                "first_loss": float(first), "loss": float(loss), "first_step_s": first_step_s,
                "qb_ms": qb_ms, "qb_share": qb_ms / (dt * 1e3), "phase_ms": phase_ms,
-               "expert_load_max_over_mean": [float(v) for v in loads]}
+               "expert_load_max_over_mean": [float(v) for v in loads]}  # read back once, after the timing
         name = (kda if ablation is None else f"{kda}-{ablation}") + ("+c" if compiled else "")
         print(f"{args.model:>12} {args.accum}×{args.batch}×{args.seq:<7} {name:>18} {args.optim:>5} {args.recompute:>9} "
               f"{row['step_ms']:>9.1f} {row['tokens_per_s']:>9.0f} {tflops:>8.1f} "
@@ -462,7 +459,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         clock = "GPU time between events" if cuda else "host time"
         print(f"  {name}: {args.params} params, {args.optim}; step median {row['step_ms_median']:.1f} ms "
               f"(min {row['step_ms_min']:.1f}); loss {row['first_loss']:.4f} at the first step; expert load "
-              f"max/mean (worst layer) {_load_range(loads)}; "
+              f"max/mean (worst layer) {_load_range(row['expert_load_max_over_mean'])}; "
               f"phases ({clock}, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()), flush=True)
         return row
 

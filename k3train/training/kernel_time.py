@@ -48,7 +48,8 @@ def kernel_summary(events: Iterable, steps: int) -> dict:
     by_name: dict[str, list] = {}
     for e in kernels:
         ms = e.time_range.elapsed_us() / 1e3 / steps
-        by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + ms
+        kind = kernel_kind(e.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
         entry = by_name.setdefault(e.name, [0.0, 0.0])
         entry[0] += ms
         entry[1] += 1 / steps
