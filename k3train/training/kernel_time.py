@@ -19,16 +19,18 @@ from typing import Iterable
 import torch
 
 # Kinds by substring of the kernel's name, first match wins: inductor's generated kernels first
-# (triton_poi/per/red_*: mostly fused adds and casts; their names quote the ops they fuse), then by library,
-# the project's own Triton kernels by their names (kernels/).
+# (triton_poi/per/red_*: mostly fused adds and casts; their names quote the ops they fuse), then attention and
+# the optimizer, whose names can hold "cutlass" or "gemm" (flash-attention's templates, Muon's
+# _ns_gemm_kernel), then by library, the project's own Triton kernels by their names (kernels/).
 KINDS = (("inductor fused", ("triton_poi_", "triton_per_", "triton_red_")),
+         ("attention", ("flash", "fmha", "attention", "efficient", "sdpa")),
+         ("optimizer", ("adam", "_ns_fused_kernel", "_ns_gemm_kernel", "_nesterov_kernel", "_apply_kernel")),
          ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "grouped_mm", "matmul", "_grouped_wgrad_")),
-         ("kda", ("kda", "chunk_")),
-         ("attention", ("flash", "fmha", "attention", "efficient", "sdpa")), ("nccl", ("nccl",)),
+         ("kda", ("kda", "chunk_")), ("nccl", ("nccl",)),
          ("attn_res", ("_attn_res_",)), ("situ", ("_situ_",)), ("cross-entropy", ("_ce_",)),
          ("rms_norm", ("_rms_norm_",)), ("short conv", ("_short_conv_",)),
          ("moe glue", ("_dispatch_", "_combine_", "_route_", "_histogram_")),
-         ("optimizer", ("adam", "_ns_", "_nesterov_", "_apply_kernel")), ("grad accumulate", ("_accumulate_kernel",)),
+         ("grad accumulate", ("_accumulate_kernel",)), ("qk-clip max logit", ("_max_logit_",)),
          ("triton (other)", ("triton",)), ("copy/cast", ("copy", "cast", "convert")),
          ("reduce", ("reduce", "norm", "softmax")))
 

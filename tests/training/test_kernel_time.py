@@ -22,6 +22,13 @@ def test_profile_kernel_kinds():
              "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3": "gemm",
              "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
              "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+             # the trainer's packed documents (H200, 2026-12-02): these were counted as GEMMs once
+             "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<192, 64, 64, "
+             "8, 4, 2, 2, false, false, cutlass::bfloat16_t>>": "attention",
+             "_ns_gemm_kernel": "optimizer", "_max_logit_kernel": "qk-clip max logit",
+             # CUTLASS's grouped GEMM, mangled: "_NS_" in it is not Newton–Schulz
+             "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalI"
+             "NS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS_6half_tEEEEvNT_": "gemm",
              "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>": "elementwise/other"}
     assert {name: kernel_kind(name) for name in kinds} == kinds
 
