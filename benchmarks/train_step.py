@@ -3,11 +3,21 @@
     python benchmarks/train_step.py --model k3_bench_1b --batch 2 --seq 4096 --steps 10
     python benchmarks/train_step.py --model k3_tiny --batch 1 --seq 256 --steps 2 --warmup 1   # CPU smoke run
 
-One step = forward + backward of ``--accum`` micro-batches (default 1; the same rows each time) under
-bf16 autocast, each row one document, or with ``--mean-doc`` packed with documents as the trainer's data
-packs them (MLA's document mask, picked by ``--document-attention``, and KDA's varlen path), + the
-optimizer + Quantile Balancing
-(the trainer's per-step bias update). ``--optim`` picks the optimizer by its conf/optim/*.yaml
+One step = forward + backward of ``--accum`` micro-batches (default 1) under bf16 autocast, + the
+optimizer + Quantile Balancing (the trainer's per-step bias update). ``--data`` picks the rows:
+
+* ``random`` (the default): one batch of uniformly random tokens, the same rows every micro-batch, each
+  row one document, or with ``--mean-doc`` packed with documents as the trainer's data packs them (MLA's
+  document mask, picked by ``--document-attention``, and KDA's varlen path);
+* ``corpus``: the trainer's default data (the embedded corpus, ``data=default``), a fresh micro-batch
+  every time (``(--warmup + --steps) · --accum`` of them, read before the timing and cycled), each row
+  one document (causal over the whole row, as without document resets);
+* ``corpus-packed``: the same rows with the corpus's own document boundaries, as the trainer runs them.
+
+Routing is the reason for ``corpus``: a model that fits one batch of random tokens sends every token
+to the same experts within a few steps (expert load max/mean E/k), so its MoE figures are for fully
+collapsed routing; on real text with the trainer's optimizer, Muon, the load falls to 1.5–3 after
+about 20 steps, as in the trainer. ``--optim`` picks the optimizer by its conf/optim/*.yaml
 (default: the trainer's, conf/config.yaml), built with ``k3train.optim.builder.build_optimizer`` as the
 trainer builds it; with Muon's ``qk_clip_tau`` the optimizer phase includes QK-clip, as in the trainer.
 The trainer's gradient norm, clipping, step guard and LR schedule are not part of the step.
@@ -20,12 +30,14 @@ safe gate, gate/beta/L2 norm in the kernel, called as in benchmarks/kda.py, swap
 mixer's ``kernel`` seam, ``k3train.model.kda.KimiDeltaAttention.kernel``) or ``both`` (the default where
 fla imports and CUDA is there): each variant is a fresh model from the same seed (the same weights), on
 the same batch, with a fresh optimizer of the same config, one after the other in this process; the
-summary line gives the time ratio ours/fla per step and per phase (< 1: ours is faster).
+summary line gives the time ratio ours/fla per step and per phase (< 1: ours is faster), of the eager rows
+(of the compiled ones under ``--compile-only``).
 
 Each row also gives, per timed step, the worst layer's expert load max/mean (step-pooled tokens per
-expert over their mean, this rank's): the routing the MoE GEMMs ran on. The timed steps come a few
-steps after initialisation, whose router is far from balanced (the trainer logs 15–16 at step 10 on
-bench-1B, then 1.5–3 once Quantile Balancing has caught up), which favours kernels that cope with skew.
+expert over their mean, this rank's): the routing the MoE GEMMs ran on. Soon after initialisation the
+router is far from balanced (the trainer logs 15–16 at step 10 on bench-1B, then 1.5–3 once Quantile
+Balancing has caught up): time with ``--data corpus --optim muon --warmup 25`` or more for the routing
+of a real run.
 
 Per-phase times (forward, backward, comm, optimizer, QB) come
 from CUDA events around each phase; ``--profile`` adds a torch profiler pass over two steps that
@@ -42,7 +54,8 @@ memory (``torch.cuda.max_memory_allocated`` over the timed steps) and step time 
 does (``k3train.training.compile``; ``--compile-mode``, default reduce-overhead: CUDA graphs) and times
 it again with the same batch and optimizer: a second row
 per KDA variant (``"compile": true``) with the first (compiling) step's time, the compile time (that
-step minus an eager step), and the number of compiled graphs and graph breaks.
+step minus an eager step), and the number of compiled graphs and graph breaks; ``--compile-only`` leaves
+the eager row out (the compile time is then the first step minus a compiled one).
 Under ``torchrun --nproc-per-node N`` the step is data parallel over the N ranks, as the trainer runs it
 (``parallel`` defaults: DP = N): each rank its own batch of ``--batch`` rows, the bucketed gradient
 all-reduce started during the backward (``GradBuffers.last_backward``) and finished in the "comm"
@@ -100,6 +113,7 @@ DATASHEET_TFLOPS = 989.0
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ("forward", "backward", "comm", "optimizer", "qb")
 ABLATIONS = ("wgrad", "site-residual")
+DATA = ("random", "corpus", "corpus-packed")
 
 
 @contextlib.contextmanager
@@ -232,8 +246,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="optimizer, as conf/optim/<name>.yaml (default: conf/config.yaml's, the trainer's)")
     ap.add_argument("--compile", action="store_true",
                     help="then compile each layer as train.compile does and time the same model again (GPU only)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="with --compile: leave out the eager timing (the compiled row alone)")
     ap.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead",
                     help="torch.compile mode of --compile (reduce-overhead: each layer graph a CUDA graph)")
+    ap.add_argument("--data", choices=DATA, default="random",
+                    help="the rows: one random batch repeated, or fresh micro-batches of the trainer's default "
+                         "corpus, one document a row or packed as the corpus has them (see the docstring)")
     ap.add_argument("--mean-doc", type=float, default=None,
                     help="pack each row with documents of exponentially distributed length of this mean (tokens), "
                          "as the trainer's data does (default: one document per row)")
@@ -247,6 +266,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.accum < 1:
         ap.error(f"--accum {args.accum}: at least one micro-batch a step")
+    if args.compile_only and not args.compile:
+        ap.error("--compile-only leaves out the eager timing of --compile; add --compile")
+    if args.mean_doc is not None and args.data != "random":
+        ap.error(f"--mean-doc packs random rows; --data {args.data} has its own documents (corpus-packed uses them)")
     model_default = document_attention.DOCUMENT_ATTENTION
     args.document_attention = args.document_attention or model_default
 
@@ -280,19 +303,15 @@ def run(args, device: torch.device, groups: ParallelGroups | None) -> list[dict]
     args.optim = args.optim or default_optim()
     variants = kda_variants(args.kda)
     cfg, ocfg = model_config(args.model), optim_config(args.optim)
-    # the batch, the same for every variant; each data-parallel rank its own
-    g = torch.Generator().manual_seed(1 + (groups.dp_rank if groups is not None else 0))
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    pos = None if args.mean_doc is None else packed_position_ids(args.batch, args.seq, args.mean_doc)  # on the host
+    batches = micro_batches(args, cfg, device, groups)  # the same for every variant
 
     print(f"{'model':>12} {'n×B×T':>12} {'variant':>18} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, x, y, pos, device, groups)]
+    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, batches, device, groups)]
     for name in args.ablate:
         with ablated(name):
-            rows += run_variant("ours", args, cfg, ocfg, x, y, pos, device, groups, ablation=name)
-    by = {r["kda"]: r for r in rows if not r["compile"] and r["ablation"] is None}
+            rows += run_variant("ours", args, cfg, ocfg, batches, device, groups, ablation=name)
+    by = {r["kda"]: r for r in rows if r["compile"] == args.compile_only and r["ablation"] is None}
     ratio = None
     if "ours" in by and "fla" in by:
         ours, fla = by["ours"], by["fla"]
@@ -330,9 +349,36 @@ def _fmt(v, spec: str, width: int) -> str:
     return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
 
 
-def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Tensor, y: torch.Tensor,
-                pos: torch.Tensor | None, device: torch.device, groups: ParallelGroups | None,
-                ablation: str | None = None) -> list[dict]:
+def micro_batches(args, cfg: ModelConfig, device: torch.device,
+                  groups: ParallelGroups | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The micro-batches a step cycles through, as (tokens [B, T] and labels [B, T] on ``device``,
+    position_ids [B, T] on the host or None for one document a row); each data-parallel rank its own."""
+    dp_rank, dp_size = (groups.dp_rank, groups.dp_size) if groups is not None else (0, 1)
+    if args.data == "random":
+        g = torch.Generator().manual_seed(1 + dp_rank)
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
+        pos = None if args.mean_doc is None else packed_position_ids(args.batch, args.seq, args.mean_doc)
+        return [(tokens[:, :-1], tokens[:, 1:], pos)]
+    from k3train.config.schema import DataConfig
+    from k3train.data.batches import BatchIterator
+    from k3train.data.datasets import build_datasets, resolve_data
+    from k3train.data.tokenizer import check_vocab, load_tokenizer
+
+    data = DataConfig(seq_len=args.seq)
+    resolved = resolve_data(data, min(cfg.vocab_size, 512))  # as the trainer: builds the corpus once
+    tokenizer = load_tokenizer(resolved.tokenizer_path)
+    check_vocab(cfg.vocab_size, tokenizer)
+    n = (args.warmup + args.steps) * args.accum
+    train, _ = build_datasets(data, args.seq, num_train_samples=n * args.batch * dp_size, num_valid_samples=0,
+                              tokenizer=tokenizer)
+    rows = BatchIterator(train, args.batch, dp_rank, dp_size)
+    return [(b["tokens"].to(device), b["labels"].to(device),
+             b["position_ids"] if args.data == "corpus-packed" else None) for _, b in zip(range(n), rows)]
+
+
+def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
+                batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], device: torch.device,
+                groups: ParallelGroups | None, ablation: str | None = None) -> list[dict]:
     """Build the model (seed 0) with the ``kda`` kernel, time ``args.steps`` steps, print its line; with
     ``args.compile`` then compile its layers and time it again. Its rows (eager, then compiled), marked
     with the ``ablation`` they ran under (``ablated``, entered by the caller) or None."""
@@ -353,6 +399,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
     moe = model.moe_layers()
     ticks: list[list] = []
     loads: list[torch.Tensor] = []  # per step: the worst layer's step-pooled expert load max/mean (on the device)
+    drawn = 0  # micro-batches drawn from ``batches`` (cycled)
     compiled_mode = None  # set once the layers are compiled
 
     def tick():
@@ -365,10 +412,13 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
     def step() -> torch.Tensor:
         """One optimizer step over ``args.accum`` micro-batches; ``ticks`` gets [(phase, event)], a phase's
         time being from the previous event to its own (forward and backward once per micro-batch)."""
+        nonlocal drawn
         t = [("", tick())]
         grads.zero()
         total = 0.0
         for i in range(args.accum):
+            x, y, pos = batches[drawn % len(batches)]
+            drawn += 1
             if compiled_mode:
                 begin_forward(compiled_mode)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -439,7 +489,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         tflops = tok * train_flops_per_token(cfg, args.seq) / dt / 1e12  # per GPU
         dtype = f"bf16 autocast, {args.params} params" if cuda else f"fp32, {args.params} params"
         row = {"model": args.model, "kda": kda, "ablation": ablation, "optim": args.optim, "compile": compiled, "batch": args.batch,
-               "accum": args.accum, "seq": args.seq, "mean_doc": args.mean_doc,
+               "accum": args.accum, "seq": args.seq, "data": args.data, "mean_doc": args.mean_doc,
                "document_attention": args.document_attention,
                "dtype": dtype, "recompute": args.recompute,
                "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
@@ -463,7 +513,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
               f"phases ({clock}, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()), flush=True)
         return row
 
-    rows = [measure(compiled=False)]
+    rows = [] if args.compile_only else [measure(compiled=False)]
     if args.compile:
         from torch._dynamo.utils import counters
 
@@ -473,12 +523,13 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig, x: torch.Te
         compiled_mode = args.compile_mode
         c = measure(compiled=True)
         c["compile_mode"] = compiled_mode
-        c["compile_s"] = c["first_step_s"] - rows[0]["step_ms"] / 1e3  # the first step's excess
+        step_s = (rows[0] if rows else c)["step_ms"] / 1e3  # an eager step, else a compiled one
+        c["compile_s"] = c["first_step_s"] - step_s  # the first step's excess
         c["graphs"] = counters["stats"]["unique_graphs"]
         c["graph_breaks"] = sum(counters["graph_break"].values())
         print(f"  compiled: {c['graphs']} layer graphs, {c['graph_breaks']} graph breaks, compile ≈ "
-              f"{c['compile_s']:.0f} s (first step minus an eager step); step "
-              f"{rows[0]['step_ms'] / c['step_ms']:.2f}x eager", flush=True)
+              f"{c['compile_s']:.0f} s (first step minus a{'n eager' if rows else ' compiled'} step)"
+              + (f"; step {rows[0]['step_ms'] / c['step_ms']:.2f}x eager" if rows else ""), flush=True)
         rows.append(c)
     if args.profile and cuda:
         rows[-1]["profile"] = profile(step, None if args.compile else model)

@@ -4,6 +4,7 @@ data parallel over two gloo ranks as under torchrun."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -74,16 +75,18 @@ def test_fla_adapter_refuses_what_it_cannot_pass():
             adapter(*args, **bad)
 
 
-@pytest.mark.parametrize("optim, packed", (("muon", False), ("adamw", True)))
-def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_path, capsys):
+@pytest.mark.parametrize("optim, packed, data", (("muon", False, "random"), ("adamw", True, "random"),
+                                                 ("muon", False, "corpus-packed")))
+def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, data, tmp_path, capsys):
     out = tmp_path / "ts.json"
     train_step.main(["--model", "k3_tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "1",
-                     "--kda", "ours", "--optim", optim, "--json", str(out), "--accum", "2" if packed else "1"]
-                    + (["--mean-doc", "8", "--document-attention", "flex"] if packed else []))
+                     "--kda", "ours", "--optim", optim, "--json", str(out), "--accum", "2" if packed else "1",
+                     "--data", data] + (["--mean-doc", "8", "--document-attention", "flex"] if packed else []))
     res = json.loads(out.read_text())
     assert res["ours_over_fla"] is None
     (row,) = res["rows"]
     assert row["kda"] == "ours" and row["optim"] == optim and row["gpu"] == "cpu" and row["mfu_datasheet"] is None
+    assert row["data"] == data
     assert row["mean_doc"] == (8 if packed else None) and row["accum"] == (2 if packed else 1)
     assert row["document_attention"] == ("flex" if packed else "flash")  # both: SDPA's mask on CPU
     assert document_attention.DOCUMENT_ATTENTION == "flash"  # the model's default, restored
@@ -92,6 +95,26 @@ def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, tmp_p
     loads = row["expert_load_max_over_mean"]  # one per timed step, the worst MoE layer's
     assert len(loads) == 1 and all(1.0 <= v <= 8 / 2 for v in loads), loads  # k3_tiny: at most E / k = 8 / 2
     assert f" ours {optim:>5} " in capsys.readouterr().out
+
+
+def test_corpus_micro_batches_are_fresh_rows_of_the_trainer_corpus():
+    """--data corpus(-packed): (warmup + steps) · accum distinct micro-batches of the default corpus, labels
+    the next tokens; packed ones keep the corpus's position ids (each the last + 1, or 0 at a document start;
+    the corpus's files are long, so a short row rarely holds a start)."""
+    cfg = train_step.model_config("k3_tiny")
+    args = argparse.Namespace(data="corpus-packed", batch=2, seq=64, warmup=1, steps=1, accum=2, mean_doc=None)
+    batches = train_step.micro_batches(args, cfg, torch.device("cpu"), None)
+    assert len(batches) == 4
+    for i, (x, y, pos) in enumerate(batches):
+        assert x.shape == y.shape == pos.shape == (2, 64) and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1]) and 0 <= int(x.min()) and int(x.max()) < 512  # the corpus's BPE
+        assert all(not torch.equal(x, other) for other, _, _ in batches[i + 1:])
+        assert bool(((pos[:, 1:] == pos[:, :-1] + 1) | (pos[:, 1:] == 0)).all())
+    args.data = "corpus"
+    rows = train_step.micro_batches(args, cfg, torch.device("cpu"), None)
+    assert all(pos is None and torch.equal(x, b[0]) for (x, _, pos), b in zip(rows, batches))
+    with pytest.raises(SystemExit):  # argparse: --mean-doc packs random rows only
+        train_step.main(["--model", "k3_tiny", "--data", "corpus", "--mean-doc", "8"])
 
 
 def test_ablations_time_the_pieces_swapped_out_with_the_same_math_on_cpu(tmp_path, monkeypatch):
@@ -145,6 +168,11 @@ def test_kda_fla_without_fla_is_a_one_line_error(capsys):
     message = str(exit_.value.code)
     assert message.startswith("train_step: --kda fla needs fla's chunk_kda: fla-core does not import")
     assert "\n" not in message
+
+
+def test_compile_only_needs_compile():
+    with pytest.raises(SystemExit):  # argparse's error
+        train_step.main(["--model", "k3_tiny", "--kda", "ours", "--compile-only"])
 
 
 def test_compile_without_a_gpu_is_a_one_line_error():
