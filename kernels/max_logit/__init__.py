@@ -8,7 +8,9 @@ Key j is allowed to query i of row b when j ≤ q_pos[i] and q_doc[b, i] = k_doc
 document; under context parallelism the queries are a shard of the row and q_pos their positions in it).
 No gradient. ``backend``:
 
-* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise;
+* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise; also ``"torch"`` wherever the kernel
+  does not apply: a head dim that is not a sum of at most three powers of two ≥ 16 (``feature_pieces``),
+  a scale ≤ 0, or no query or key;
 * ``"triton"``: ``triton_max_logit.py``: one launch; the logits never leave the program. Eagerly a
   direct launch, under ``torch.compile`` the ``torch.library`` custom op ``k3::max_logit``
   (``backend.eager_or_compiled``);
@@ -26,6 +28,15 @@ from ..backend import eager_or_compiled, use_triton
 from . import reference
 
 __all__ = ["max_logit"]
+
+
+def feature_pieces(d: int) -> tuple[int, int, int] | None:
+    """The head dim D as up to three powers of two ≥ 16, largest first, zeros for absent pieces (192 →
+    (128, 64, 0)): the Triton kernel's dots. None when D is no such sum (then the torch path runs)."""
+    bits = [1 << i for i in range(d.bit_length() - 1, -1, -1) if d >> i & 1]
+    if not bits or bits[-1] < 16 or len(bits) > 3:
+        return None
+    return tuple(bits + [0] * (3 - len(bits)))
 
 
 def _triton(q, k, q_doc, k_doc, q_pos, scale):
@@ -60,7 +71,7 @@ def max_logit(q: torch.Tensor, k: torch.Tensor, q_doc: torch.Tensor, k_doc: torc
                          f"[{B}, {Tq}], [{B}, {Tk}], [{Tq}]")
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
-    if use_triton(q, backend, "max_logit") and Tq > 0 and Tk > 0 and D % 16 == 0:
+    if use_triton(q, backend, "max_logit") and Tq > 0 and Tk > 0 and scale > 0 and feature_pieces(D) is not None:
         q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
         return _max_logit(q, k, q_doc.contiguous(), k_doc.contiguous(), q_pos.contiguous(), float(scale))
     return reference.max_logit(q, k, q_doc, k_doc, q_pos, scale)

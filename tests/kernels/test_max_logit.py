@@ -10,7 +10,7 @@ import pytest
 import torch
 from triton_cpu import rerun_under_interpreter, triton_cpu
 
-from kernels.max_logit import max_logit
+from kernels.max_logit import feature_pieces, max_logit
 from kernels.max_logit import reference as R
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,21 +53,22 @@ def test_reference_equals_dense_float64(case):
 
 @triton_cpu
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype, D", [(torch.float32, 48), (torch.bfloat16, 192)])
+@pytest.mark.parametrize("dtype, D", [(torch.float32, 48), (torch.bfloat16, 192), (torch.float32, 112)])
 def test_triton_equals_reference(case, dtype, D):
     lengths, shard = CASES[case]
     k_doc = _doc_ids(lengths)
     q_pos = torch.arange(k_doc.shape[1], device=DEV) if shard is None else shard.to(DEV)
     q_doc = k_doc[:, q_pos]
-    q, k = _qk(len(lengths), 2, q_pos.numel(), k_doc.shape[1], D, dtype, 2)
+    q, k = _qk(len(lengths), 2, q_pos.numel(), k_doc.shape[1], D, dtype, 2 + D)
+    k[:, :, -1] = 10 * q[:, :, 0]  # the largest logit of all pairs, not allowed: the last key is after query 0
     got = max_logit(q, k, q_doc, k_doc, q_pos, D ** -0.5, backend="triton")
     want = max_logit(q, k, q_doc, k_doc, q_pos, D ** -0.5, backend="torch")
     assert got.dtype == torch.float32 and got.shape == (2,)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # the mask matters: the maximum over every pair is larger here
+    # the mask matters: the maximum over every pair is larger
     everything = max_logit(q, k, torch.zeros_like(q_doc), torch.zeros_like(k_doc),
                            torch.full_like(q_pos, k_doc.shape[1] - 1), D ** -0.5, backend="torch")
-    assert (everything > want).any()
+    assert (everything > want).all()
 
 
 @triton_cpu
@@ -81,6 +82,11 @@ def test_triton_custom_op_passes_opcheck_and_compiles():
     fn = torch.compile(lambda *a: max_logit(*a, 0.2, backend="triton"), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(fn(q, k, k_doc, k_doc, q_pos), max_logit(q, k, k_doc, k_doc, q_pos, 0.2, backend="torch"),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_feature_pieces_cut_the_head_dim_into_the_kernels_dots():
+    assert feature_pieces(192) == (128, 64, 0) and feature_pieces(112) == (64, 32, 16) and feature_pieces(16) == (16, 0, 0)
+    assert feature_pieces(240) is None and feature_pieces(40) is None and feature_pieces(0) is None
 
 
 def test_errors():
