@@ -3,6 +3,7 @@ the dense mask, FlexAttention with the document block mask, flash attention's va
 and causal SDPA on one document per row as the reference point.
 
     python benchmarks/mla_attention.py [--batch 2] [--seq 4096] [--heads 8] [--mean-doc 1024] [--json out.json]
+    python benchmarks/mla_attention.py --batch 8 --max-logit-tiles 128x128x4x3 128x128x8x3 256x64x8x2
 
 bench-1B's MLA shapes by default (q/k 192 = nope 128 + extra 64, v 128, 8 heads, 2×4096 tokens), bf16.
 Layouts: "one per row" (causal) and "packed" (document lengths drawn from an exponential distribution
@@ -13,7 +14,8 @@ block mask (once per micro-batch, shared by the MLA layers). Before timing, ever
 match SDPA's with the dense mask within bf16 noise (2e-2 relative). Then QK-clip's per-head maximum
 logit over the same pairs (``kernels.max_logit``, which every MLA layer computes each training step
 under the Muon recipe): the Triton kernel against the torch reference (fp32 einsums of query blocks),
-which must agree within 1e-4 first.
+which must agree within 1e-4 first; ``--max-logit-tiles`` times the kernel at each (BM × BN × warps ×
+stages) tile too (default: its GPU tile alone).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from k3train.model import document_attention  # noqa: E402
 from k3train.model.document_attention import allowed, attend, document_block_mask  # noqa: E402
 from k3train.model.documents import Documents  # noqa: E402
 from kernels.max_logit import max_logit  # noqa: E402
+from kernels.max_logit import triton_max_logit  # noqa: E402
 from op_timing import median_ms  # noqa: E402
 from packed_documents import packed_position_ids  # noqa: E402
 
@@ -44,8 +47,11 @@ def main() -> None:
     ap.add_argument("--qk-dim", type=int, default=192)
     ap.add_argument("--v-dim", type=int, default=128)
     ap.add_argument("--mean-doc", type=float, default=1024)
+    ap.add_argument("--max-logit-tiles", nargs="*", default=["x".join(map(str, triton_max_logit.GPU_TILES))],
+                    help="the max-logit kernel's tiles to time, BMxBNxWARPSxSTAGES each")
     ap.add_argument("--json", default="mla_attention.json")
     args = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.max_logit_tiles]
     B, H, T, Dqk, Dv = args.batch, args.heads, args.seq, args.qk_dim, args.v_dim
     dev, bf16, scale = "cuda", torch.bfloat16, args.qk_dim ** -0.5
     g = torch.Generator(device=dev).manual_seed(1)
@@ -97,9 +103,15 @@ def main() -> None:
         per_backend = {b: max_logit(q, k, docs.doc_ids, docs.doc_ids, q_pos, scale, backend=b) for b in ("triton", "torch")}
         diff = float((per_backend["triton"] - per_backend["torch"]).abs().max() / per_backend["torch"].abs().max())
         assert diff < 1e-4, f"the max-logit kernel is {diff:.2g} from the reference ({layout})"
-        for backend in per_backend:
-            ms = median_ms(lambda: max_logit(q, k, docs.doc_ids, docs.doc_ids, q_pos, scale, backend=backend), dev, 25, 100)
-            max_logit_rows.append(dict(layout=layout, backend=backend, ms=ms, rel_diff=diff))
+        ms = median_ms(lambda: max_logit(q, k, docs.doc_ids, docs.doc_ids, q_pos, scale, backend="torch"), dev, 25, 100)
+        max_logit_rows.append(dict(layout=layout, backend="torch", ms=ms, rel_diff=0.0))
+        for tile in tiles:
+            def kernel():
+                return triton_max_logit.max_logit(q, k, docs.doc_ids, docs.doc_ids, q_pos, scale, tiles=tile)
+            diff = float((kernel() - per_backend["torch"]).abs().max() / per_backend["torch"].abs().max())
+            assert diff < 1e-4, f"the max-logit kernel at tile {tile} is {diff:.2g} from the reference ({layout})"
+            max_logit_rows.append(dict(layout=layout, backend="triton", tile="x".join(map(str, tile)),
+                                       ms=median_ms(kernel, dev, 25, 100), rel_diff=diff))
     document_attention.DOCUMENT_ATTENTION = default_way
     print(f"MLA attention on {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} H={H} T={T} "
           f"qk {Dqk} v {Dv}")
@@ -114,7 +126,7 @@ def main() -> None:
               f"{r['fwd_tflops']:9.1f} {r['fwd_bwd_tflops']:9.1f} {mask_col}")
     print("QK-clip max logit (no gradient):")
     for r in max_logit_rows:
-        print(f"{r['layout']:>12} {r['backend']:>12} {r['ms']:8.3f} ms")
+        print(f"{r['layout']:>12} {r['backend']:>12} {r.get('tile', ''):>12} {r['ms']:8.3f} ms")
     with open(args.json, "w") as fh:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, batch=B, heads=H, seq=T, qk_dim=Dqk,
                        v_dim=Dv, mean_doc=args.mean_doc, rows=rows, max_logit=max_logit_rows), fh, indent=1)
