@@ -112,7 +112,7 @@ MEASURED_GEMM_TFLOPS = 694.0  # ANCHORS.md, bf16 8192³ on the lent H200
 DATASHEET_TFLOPS = 989.0
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ("forward", "backward", "comm", "optimizer", "qb")
-ABLATIONS = ("wgrad", "site-residual")
+ABLATIONS = ("wgrad", "site-residual", "max-logit-bound")
 DATA = ("random", "corpus", "corpus-packed")
 
 
@@ -123,12 +123,17 @@ def ablated(name: str):
     * ``wgrad``: the routed experts' weight gradient by autograd's K-grouped ``torch._grouped_mm``
       (``kernels.grouped_wgrad``'s torch path) instead of our kernel;
     * ``site-residual``: P + Attn(x_a) as a separate add before the mlp site reads it, instead of the
-      site adding it (``attn_res_site(..., residual=b)``).
+      site adding it (``attn_res_site(..., residual=b)``);
+    * ``max-logit-bound``: QK-clip's exact max logit for every MLA head, instead of only where the
+      attention's log-sum-exp bound reaches τ (``optim.qk_clip_exact_max=true``; needs Muon's QK-clip).
     """
     if name not in ABLATIONS:
         raise ValueError(f"unknown ablation {name!r}; expected one of {ABLATIONS}")
     if name == "wgrad":
         patch = mock.patch.object(moe_module, "grouped_wgrad", functools.partial(grouped_wgrad, backend="torch"))
+    elif name == "max-logit-bound":
+        exact_everywhere = functools.partial(lambda track, model, tau=None: track(model, None), track_max_logits)
+        patch = mock.patch.object(sys.modules[__name__], "track_max_logits", exact_everywhere)
     else:
         site = AttnResAggregator.forward
 
@@ -388,7 +393,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
     if kda == "fla" and swap_kda_kernel(model, fla_kernel()) == 0:
         raise ValueError(f"{args.model} has no KDA layer to run fla's kernel in")
     if ocfg.qk_clip_tau:  # as the trainer: the MLA layers track their max logit for QK-clip
-        track_max_logits(model)
+        track_max_logits(model, None if ocfg.qk_clip_exact_max else ocfg.qk_clip_tau)
     main = MainParams(model, torch.bfloat16 if args.params == "bf16" else torch.float32)
     grads = GradBuffers(model, groups)
     apply_recompute(model, args.recompute)

@@ -121,6 +121,9 @@ class OptimConfig:
     # k3train.optim.muon.ns_backend
     per_head_groups: list[str] = field(default_factory=lambda: ["kda_qkv", "mla_q_b", "mla_kv_b"])
     qk_clip_tau: Optional[float] = None
+    # QK-clip reads each MLA head's exact max logit only where its attention log-sum-exp bound reaches tau
+    # (the bound is at most log T above it; k3train/model/mla.py); true: the exact maximum for every head
+    qk_clip_exact_max: bool = False
 
 
 @dataclass

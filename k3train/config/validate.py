@@ -126,6 +126,8 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
           f"optim.muon_ns_backend={o.muon_ns_backend!r}: use auto, torch, triton, tiled or inductor")
     _need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
     _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0 (0 disables weight decay)")
+    _need(o.qk_clip_tau is None or o.qk_clip_tau >= 0,
+          f"optim.qk_clip_tau={o.qk_clip_tau} must be >= 0 (null or 0 turns QK-clip off)")
 
     t = cfg.train
     dp = world_size // model_parallel

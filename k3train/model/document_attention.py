@@ -19,6 +19,9 @@ four ways from the micro-batch's ``Documents``:
   not take, and context-parallel shards): SDPA with the dense bool mask [B, 1, Tq, Tk] (``allowed``),
   which costs a full T² row.
 
+``attend_with_lse_bound`` also returns each head's largest softmax log-sum-exp, an upper bound on its max
+logit that QK-clip reads instead of the exact maximum where it is under τ (``GatedMLA``).
+
 ``DOCUMENT_ATTENTION`` selects the way for packed rows on CUDA; it is "flash". Measured end to end on one
 H200 (bench-1B, 8×4096 rows packed with documents of mean length 1024, compiled with CUDA graphs, AdamW,
 ``benchmarks/train_step.py --mean-doc 1024``, 2026-12-01): 239.3 ms a step with "flash" against 269.4 ms
@@ -66,10 +69,11 @@ def allowed(doc_ids: torch.Tensor, key_doc_ids: torch.Tensor, query_pos: torch.T
 
 
 def flash_varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each document of the flattened rows: q, k [B, H, T, Dqk], v [B, H, T, Dv]
     (Dv ≤ Dqk), ``cu_seqlens`` [N+1] int32 offsets over the B·T tokens (empty documents at the end
-    allowed) → o [B, H, T, Dv]. No document is longer than a row, so T bounds every length."""
+    allowed) → (o [B, H, T, Dv], the kernel's softmax log-sum-exp, fp32 with heads on dim 0). No
+    document is longer than a row, so T bounds every length."""
     B, H, T, d_qk = q.shape
     d_v = v.shape[-1]
 
@@ -78,9 +82,9 @@ def flash_varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
 
     v_padded = F.pad(v, (0, d_qk - d_v))
     cu = cu_seqlens.to(torch.int32)
-    o = torch.ops.aten._flash_attention_forward(tokens_heads(q), tokens_heads(k), tokens_heads(v_padded), cu, cu,
-                                                T, T, 0.0, True, False, scale=scale)[0]
-    return o[..., :d_v].view(B, T, H, d_v).transpose(1, 2)
+    o, lse = torch.ops.aten._flash_attention_forward(tokens_heads(q), tokens_heads(k), tokens_heads(v_padded), cu, cu,
+                                                     T, T, 0.0, True, False, scale=scale)[:2]
+    return o[..., :d_v].view(B, T, H, d_v).transpose(1, 2), lse
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: Documents,
@@ -92,6 +96,39 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs
     if docs.block_mask is not None:
         flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex
         return flex(q, k, v, block_mask=docs.block_mask, scale=scale)
-    if DOCUMENT_ATTENTION == "flash" and q.is_cuda and docs.shard is None and q.dtype in FLASH_DTYPES:
-        return flash_varlen_causal(q, k, v, docs.cu_seqlens, scale)
+    if _takes_flash(q, docs):
+        return flash_varlen_causal(q, k, v, docs.cu_seqlens, scale)[0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(), scale=scale)
+
+
+def attend_with_lse_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, docs: Documents,
+                          dense_mask: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attend``'s o, with each head's largest softmax log-sum-exp where the way's kernel computes one:
+    bound [H] fp32, detached, else None. For every query row i, L_i = log Σ_j exp(s_ij) over its allowed
+    keys, so m_i ≤ L_i ≤ m_i + log n_i (m_i its largest logit, n_i ≤ T its key count), and the head's
+    max logit m_h ≤ max_i L_i ≤ m_h + log T: QK-clip needs no exact maximum for a head whose bound is
+    already under τ. Ways with a bound: one document a row on CUDA in bf16/fp16 (cuDNN's fused attention,
+    ``aten._scaled_dot_product_cudnn_attention``, what SDPA picks there on Hopper; sm80 and later), and
+    "flash"."""
+    if docs.one_per_row and docs.shard is None and q.is_cuda and q.dtype in FLASH_DTYPES:
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
+                                                                    scale=scale)[:2]
+        return o, lse_head_max(lse)
+    if docs.block_mask is None and _takes_flash(q, docs):
+        o, lse = flash_varlen_causal(q, k, v, docs.cu_seqlens, scale)
+        return o, lse_head_max(lse)
+    return attend(q, k, v, scale, docs, dense_mask), None
+
+
+def lse_head_max(lse: torch.Tensor) -> torch.Tensor:
+    """[H] fp32: the largest entry per head of a kernel's log-sum-exp, [H, tokens] (flash attention's
+    variable-length layout) or [B, H, T, ...] (cuDNN's, flash attention's padded one). Padding entries a
+    kernel leaves unwritten can only raise the maximum, so it stays an upper bound; NaN becomes +inf
+    (no bound)."""
+    lse = lse.detach().float()
+    per_head = lse.amax(dim=1) if lse.dim() == 2 else lse.transpose(0, 1).flatten(1).amax(dim=1)
+    return torch.where(per_head.isnan(), float("inf"), per_head)
+
+
+def _takes_flash(q: torch.Tensor, docs: Documents) -> bool:
+    return DOCUMENT_ATTENTION == "flash" and q.is_cuda and docs.shard is None and q.dtype in FLASH_DTYPES

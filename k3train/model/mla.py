@@ -18,7 +18,10 @@ at the local tokens' global positions.
 
 ``max_logit`` [H] holds the running per-head maximum of the pre-softmax logits when
 ``track_max_logit`` is set (QK-clip reads and resets it), from ``kernels.max_logit`` (on CUDA one
-Triton launch that keeps no score tensor), with no gradient.
+Triton launch that keeps no score tensor), with no gradient. With ``qk_clip_tau`` = τ set as well, a
+head whose attention kernel's log-sum-exp bound (``attend_with_lse_bound``: m_h ≤ bound ≤ m_h + log T)
+is under τ − ``BOUND_MARGIN`` keeps the bound instead (no clip can follow from it), and the exact
+kernel runs only for the others: early in training, for none.
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ import torch
 from torch import nn
 
 from k3train.config.schema import ModelConfig
-from k3train.model.document_attention import allowed, attend
+from k3train.model.document_attention import allowed, attend, attend_with_lse_bound
 from k3train.model.documents import Documents
 from k3train.model.norm import RMSNorm
 from k3train.model.replay import replaying
 from k3train.parallel.tensor_parallel import TPSpec
 from kernels.max_logit import max_logit
+
+#: how far under τ a head's log-sum-exp bound must lie to stand in for its exact max logit: the bound and
+#: the exact kernel sum the same products in different orders (a few fp32 ulp of |logit| ≲ 1e-3 apart)
+BOUND_MARGIN = 0.01
 
 
 class GatedMLA(nn.Module):
@@ -62,6 +69,7 @@ class GatedMLA(nn.Module):
         self.o_proj = tp.row(heads * v, d, what=what)
 
         self.track_max_logit = False
+        self.qk_clip_tau: float | None = None  # set: the exact max only for heads whose bound reaches τ
         self.register_buffer("max_logit", torch.full((self.num_heads,), float("-inf")), persistent=False)
 
     def forward(self, x: torch.Tensor, docs: Documents) -> torch.Tensor:
@@ -78,9 +86,15 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_n, k_r.unsqueeze(2).expand(B, Tk, H, r)], dim=-1)
 
         q, k, val = (t.transpose(1, 2) for t in (q, k, val))  # [B, H, T, D]
+
+        def dense_mask():
+            return allowed(*self._pairs(docs, T)).unsqueeze(1)
+
         if self.track_max_logit and not replaying():
-            self._update_max_logit(q, k, docs)
-        o = attend(q, k, val, self.scale, docs, lambda: allowed(*self._pairs(docs, T)).unsqueeze(1))
+            o, bound = attend_with_lse_bound(q, k, val, self.scale, docs, dense_mask)
+            self._update_max_logit(q, k, docs, bound)
+        else:
+            o = attend(q, k, val, self.scale, docs, dense_mask)
         o = o.float().transpose(1, 2).reshape(B, T, H * v)
         y = o * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(y.to(x.dtype))
@@ -94,7 +108,13 @@ class GatedMLA(nn.Module):
         return docs.doc_ids, docs.key_doc_ids, docs.query_index
 
     @torch.no_grad()
-    def _update_max_logit(self, q: torch.Tensor, k: torch.Tensor, docs: Documents) -> None:
-        """max over allowed (query, key) pairs of q·k·scale per head (``kernels.max_logit``)."""
-        best = max_logit(q, k, *self._pairs(docs, q.shape[2]), self.scale)
+    def _update_max_logit(self, q: torch.Tensor, k: torch.Tensor, docs: Documents, bound: torch.Tensor | None) -> None:
+        """max over allowed (query, key) pairs of q·k·scale per head (``kernels.max_logit``), or the
+        log-sum-exp ``bound`` [H] for heads where it is under τ − ``BOUND_MARGIN`` (module docstring)."""
+        pairs = self._pairs(docs, q.shape[2])
+        if bound is None or self.qk_clip_tau is None:
+            best = max_logit(q, k, *pairs, self.scale)
+        else:
+            exact = bound >= self.qk_clip_tau - BOUND_MARGIN  # decided on the device: no host sync
+            best = torch.where(exact, max_logit(q, k, *pairs, self.scale, heads=exact), bound)
         self.max_logit.copy_(torch.maximum(self.max_logit.to(best.device), best))

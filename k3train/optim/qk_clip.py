@@ -15,7 +15,9 @@ are multiplied by exactly 1, i.e. left as they were bit for bit (the clip runs o
 device for every head, so that the step never waits on the host for it).
 
 The forward (``GatedMLA`` with ``track_max_logit = True``) keeps a running per-head max
-in the fp32 buffer ``max_logit`` [local heads]; this function all-reduces it with MAX
+in the fp32 buffer ``max_logit`` [local heads] (for a head whose attention log-sum-exp bound
+stays under tau, that bound: at most log T over the exact maximum, and still under tau, so
+nothing is clipped; the reported maximum is then an upper bound); this function all-reduces it with MAX
 over the data-parallel group (one collective for all layers), clips, and resets it to
 -inf. Under TP each rank owns whole heads, so it clips only its own heads; no TP
 communication is needed.
@@ -98,10 +100,13 @@ class QKClipReport(Mapping):
         return len(self._read())
 
 
-def track_max_logits(model: nn.Module) -> None:
-    """Make every MLA layer of ``model`` keep the per-head max logit that ``apply_qk_clip`` reads."""
+def track_max_logits(model: nn.Module, tau: Optional[float] = None) -> None:
+    """Make every MLA layer of ``model`` keep the per-head max logit that ``apply_qk_clip`` reads. With
+    ``tau``, a head whose attention log-sum-exp bound is under it keeps the bound instead of the exact
+    maximum (``GatedMLA``; ``optim.qk_clip_exact_max`` turns that off)."""
     for _, mod in find_mla_modules(model):
         mod.track_max_logit = True
+        mod.qk_clip_tau = tau
 
 
 @torch.no_grad()

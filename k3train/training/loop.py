@@ -115,7 +115,7 @@ class Trainer:
             enable_expert_qat(self.model)
             rounding = qat_roundings(self.model)
         if cfg.optim.qk_clip_tau:
-            track_max_logits(self.model)
+            track_max_logits(self.model, None if cfg.optim.qk_clip_exact_max else cfg.optim.qk_clip_tau)
         apply_recompute(self.model, t.recompute)  # after the stage split and QAT (k3train/training/recompute.py)
         self.main = MainParams(self.model, torch.bfloat16 if params_dtype == "bf16" else torch.float32, rounding)
         self.grads = GradBuffers(self.model, self.groups)

@@ -8,7 +8,8 @@ as are bf16 ones under Triton's interpreter, whose dot does not take bf16), the 
 masked and the running maximum kept; the scale (> 0) is applied to the maximum, not to every logit.
 Programs go last query block first (those see the most keys), so the short ones fill the tail. It
 writes one partial maximum per program; the caller reduces them per head. No score tensor leaves the
-program.
+program. With a head mask (``HEADS``, ``GATED``) the programs of unselected heads treat every row as
+absent: no key block is read, the partial is −inf.
 """
 
 from __future__ import annotations
@@ -44,15 +45,18 @@ def _dot_piece(s, q, k_base, cols, col_ok, skt, d0: tl.constexpr, DP: tl.constex
 
 
 @triton.jit
-def _max_logit_kernel(Q, K, QDOC, KDOC, QPOS, OUT, H, Tq, Tk,
+def _max_logit_kernel(Q, K, QDOC, KDOC, QPOS, HEADS, OUT, H, Tq, Tk,
                       sqb, sqh, sqt, skb, skh, skt, sdq, sdk, scale,
                       D1: tl.constexpr, D2: tl.constexpr, D3: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, FP32: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, FP32: tl.constexpr, GATED: tl.constexpr):
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last query blocks have the most keys: first
     i_bh = tl.program_id(1)
     b, h = i_bh // H, i_bh % H
     rows = i_m * BM + tl.arange(0, BM)
-    row_ok = rows < Tq
+    rows_end = Tq
+    if GATED:  # an unselected head: no row, so no key block either
+        rows_end = tl.where(tl.load(HEADS + h).to(tl.int32) != 0, Tq, 0)
+    row_ok = rows < rows_end
     pos = tl.load(QPOS + rows, mask=row_ok, other=-1).to(tl.int32)  # int32 masks: half the registers
     doc = tl.load(QDOC + b.to(tl.int64) * sdq + rows, mask=row_ok, other=-1).to(tl.int32)
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
@@ -79,10 +83,11 @@ def _max_logit_kernel(Q, K, QDOC, KDOC, QPOS, OUT, H, Tq, Tk,
 
 
 def max_logit(q: torch.Tensor, k: torch.Tensor, q_doc: torch.Tensor, k_doc: torch.Tensor, q_pos: torch.Tensor,
-              scale: float, tiles=None) -> torch.Tensor:
+              scale: float, heads: torch.Tensor | None = None, tiles=None) -> torch.Tensor:
     """q [B, H, Tq, D], k [B, H, Tk, D] (same dtype, last dim contiguous, ``feature_pieces(D)`` not None),
-    q_doc [B, Tq], k_doc [B, Tk], q_pos [Tq] (integers, contiguous), scale > 0 → [H] fp32. ``tiles``:
-    (BM, BN, warps, stages), else the defaults."""
+    q_doc [B, Tq], k_doc [B, Tk], q_pos [Tq] (integers, contiguous), scale > 0 → [H] fp32; ``heads`` [H]
+    bool (contiguous) computes only those heads, −inf for the others. ``tiles``: (BM, BN, warps, stages),
+    else the defaults."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     pieces = feature_pieces(D)
@@ -94,9 +99,10 @@ def max_logit(q: torch.Tensor, k: torch.Tensor, q_doc: torch.Tensor, k_doc: torc
     bm, bn, warps, stages = tiles or (INTERPRETER_TILES if interpreted else GPU_TILES)
     n_m = triton.cdiv(Tq, bm)
     partial = torch.empty(B * H, n_m, dtype=torch.float32, device=q.device)
-    _max_logit_kernel[(n_m, B * H)](q, k, q_doc, k_doc, q_pos, partial, H, Tq, Tk,
+    _max_logit_kernel[(n_m, B * H)](q, k, q_doc, k_doc, q_pos, q_pos if heads is None else heads.view(torch.uint8), partial, H, Tq, Tk,
                                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                     q_doc.stride(0), k_doc.stride(0), float(scale),
                                     D1=pieces[0], D2=pieces[1], D3=pieces[2], BM=bm, BN=bn,
-                                    FP32=interpreted or q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                                    FP32=interpreted or q.dtype == torch.float32, GATED=heads is not None,
+                                    num_warps=warps, num_stages=stages)
     return partial.view(B, H, n_m).amax(dim=(0, 2))

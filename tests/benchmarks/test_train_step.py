@@ -155,6 +155,21 @@ def test_ablations_time_the_pieces_swapped_out_with_the_same_math_on_cpu(tmp_pat
         assert (r["first_loss"], r["loss"]) == (ours["first_loss"], ours["loss"]), r["ablation"]
 
 
+def test_max_logit_bound_ablation_tracks_every_heads_exact_max():
+    """--ablate max-logit-bound: models built within it track QK-clip's exact max logit for every MLA head
+    (no τ for the log-sum-exp bound); outside it they get τ again."""
+    from k3train.model.k3 import K3Model
+    from k3train.model.mla import GatedMLA
+
+    model = K3Model(train_step.model_config("k3_tiny"))
+    mla = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    with train_step.ablated("max-logit-bound"):
+        train_step.track_max_logits(model, 100.0)
+    assert mla and all(m.track_max_logit and m.qk_clip_tau is None for m in mla)
+    train_step.track_max_logits(model, 100.0)
+    assert all(m.qk_clip_tau == 100.0 for m in mla)
+
+
 def test_defaults_come_from_the_trainer_config():
     assert train_step.default_optim() == "muon"  # conf/config.yaml
     muon = train_step.optim_config("muon")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -132,3 +133,41 @@ def test_compiled_flex_does_not_recompile_for_a_new_batch():
                                                                 scale=DQK ** -0.5).float()
         assert _rel(got, want) < 1e-2, _rel(got, want)
     assert compiles.frame_count == 1, compiles.frame_count
+
+
+@pytest.mark.parametrize("packed, compiled", [(False, False), (True, False), (False, True), (True, True)])
+def test_kernel_log_sum_exp_bounds_each_heads_max_logit(packed, compiled):
+    """``attend_with_lse_bound``: cuDNN's log-sum-exp (one document a row) and flash attention's (packed
+    rows, offsets padded as compiled layers pad them) give per head m_h ≤ bound ≤ m_h + log T against the
+    exact max logit (``kernels.max_logit``), eagerly and compiled in one graph; the output and q/k/v
+    gradients match ``attend``'s within bf16 noise."""
+    from kernels.max_logit import max_logit
+
+    torch._dynamo.reset()
+    lengths = LENGTHS if packed else ([T], [T])
+    docs = Documents.from_position_ids(_position_ids(lengths), bucket=packed)
+    assert docs.one_per_row != packed
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k = (3 * torch.randn(B, T, H, DQK, device="cuda", generator=g) for _ in range(2))  # logits of std ≈ 3
+    v = torch.randn(B, T, H, DV, device="cuda", generator=g)
+    do = torch.randn(B, H, T, DV, device="cuda", generator=g)
+    mask = _dense_mask(docs)
+    fn = document_attention.attend_with_lse_bound
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+
+    def run(way):
+        leaves = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        o, bound = way(*(t.transpose(1, 2) for t in leaves), DQK ** -0.5, docs, lambda: mask)
+        o.backward(do.to(torch.bfloat16))
+        return o.detach(), bound, [t.grad for t in leaves], [t.detach().transpose(1, 2) for t in leaves]
+
+    o, bound, grads, (qb, kb, _) = run(fn)
+    want_o, _, want_grads, _ = run(lambda *a: (attend(*a), None))
+    exact = max_logit(qb, kb, docs.doc_ids, docs.doc_ids, torch.arange(T, device="cuda"), DQK ** -0.5)
+    assert bound is not None and bound.shape == (H,) and bound.dtype == torch.float32
+    slack = 1e-3 * exact.abs() + 1e-3
+    assert bool((bound >= exact - slack).all()), (bound, exact)
+    assert bool((bound <= exact + math.log(T) + slack).all()), (bound, exact)
+    for name, got, want in zip(("o", "dq", "dk", "dv"), [o, *grads], [want_o, *want_grads]):
+        assert _rel(got, want) < 2e-2, (name, _rel(got, want))

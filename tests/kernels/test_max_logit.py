@@ -72,12 +72,30 @@ def test_triton_equals_reference(case, dtype, D):
 
 
 @triton_cpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_head_mask_computes_only_the_selected_heads(backend):
+    """``heads``: the selected heads' maxima as without a mask, −inf for the others (whose programs read
+    no key in the kernel)."""
+    k_doc = _doc_ids(([70, 1, 100, 29],))
+    q_pos = torch.arange(200, device=DEV)
+    q, k = _qk(1, 4, 200, 200, 192, torch.bfloat16, 5)
+    heads = torch.tensor([True, False, False, True], device=DEV)
+    got = max_logit(q, k, k_doc, k_doc, q_pos, 0.1, heads=heads, backend=backend)
+    want = max_logit(q, k, k_doc, k_doc, q_pos, 0.1, backend="torch")
+    torch.testing.assert_close(got[heads], want[heads], rtol=1e-5, atol=1e-5)
+    assert bool((got[~heads] == float("-inf")).all()) and bool(torch.isfinite(want).all())
+    none = max_logit(q, k, k_doc, k_doc, q_pos, 0.1, heads=torch.zeros_like(heads), backend=backend)
+    assert bool((none == float("-inf")).all())
+
+
+@triton_cpu
 def test_triton_custom_op_passes_opcheck_and_compiles():
     k_doc = _doc_ids(([40, 24],))
     q_pos = torch.arange(64, device=DEV)
     q, k = _qk(1, 2, 64, 64, 32, torch.float32, 3)
     q, k = q.contiguous(), k.contiguous()
-    torch.library.opcheck(torch.ops.k3.max_logit, (q, k, k_doc, k_doc, q_pos, 0.2))
+    torch.library.opcheck(torch.ops.k3.max_logit, (q, k, k_doc, k_doc, q_pos, 0.2, None))
+    torch.library.opcheck(torch.ops.k3.max_logit, (q, k, k_doc, k_doc, q_pos, 0.2, torch.tensor([True, False], device=DEV)))
     torch._dynamo.reset()
     fn = torch.compile(lambda *a: max_logit(*a, 0.2, backend="triton"), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(fn(q, k, k_doc, k_doc, q_pos), max_logit(q, k, k_doc, k_doc, q_pos, 0.2, backend="torch"),
@@ -98,6 +116,8 @@ def test_errors():
         max_logit(q, q, doc[:, :4], doc, pos, 1.0)
     with pytest.raises(ValueError, match="share a dtype"):
         max_logit(q, q.double(), doc, doc, pos, 1.0)
+    with pytest.raises(ValueError, match="heads must be a bool mask \\[2\\]"):
+        max_logit(q, q, doc, doc, pos, 1.0, heads=torch.ones(3, dtype=torch.bool))
 
 
 def test_triton_cpu_subprocess():

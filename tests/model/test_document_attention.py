@@ -62,3 +62,28 @@ def test_a_new_batch_block_mask_does_not_recompile():
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=_dense(docs), scale=DQK ** -0.5)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert compiles.frame_count == 1, compiles.frame_count
+
+
+def test_lse_head_max_reads_each_kernels_layout_and_never_under_bounds():
+    """[H, tokens] (flash varlen) and [B, H, T(, 1)] (cuDNN) both reduce to each head's maximum; a NaN
+    entry makes that head's bound +inf (no bound), not NaN, which would compare false against τ."""
+    lse = torch.randn(B, H, T)
+    want = lse.amax(dim=(0, 2))
+    torch.testing.assert_close(document_attention.lse_head_max(lse), want)
+    torch.testing.assert_close(document_attention.lse_head_max(lse.unsqueeze(-1)), want)
+    torch.testing.assert_close(document_attention.lse_head_max(lse.transpose(0, 1).flatten(1)), want)
+    lse[1, 0, 7] = float("nan")
+    got = document_attention.lse_head_max(lse)
+    assert got[0] == float("inf") and got[1] == want[1]
+
+
+def test_attend_with_lse_bound_has_no_bound_on_cpu():
+    """CPU attention (SDPA with the dense mask) computes no log-sum-exp: the output is ``attend``'s, the
+    bound None, and QK-clip takes the exact maximum."""
+    docs = _docs([[100, 156], [T]])
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(B, H, T, DQK, generator=g) for _ in range(2))
+    v = torch.randn(B, H, T, DV, generator=g)
+    o, bound = document_attention.attend_with_lse_bound(q, k, v, DQK ** -0.5, docs, lambda: _dense(docs))
+    assert bound is None
+    torch.testing.assert_close(o, attend(q, k, v, DQK ** -0.5, docs, lambda: _dense(docs)), rtol=0, atol=0)

@@ -99,3 +99,47 @@ def test_real_gated_mla_is_found_and_clipped():
     mla(x, docs)
     expect = torch.minimum(smax, torch.tensor(tau))
     torch.testing.assert_close(mla.max_logit, expect, rtol=1e-4, atol=1e-4)
+
+
+def test_log_sum_exp_bound_stands_in_for_the_exact_max_only_under_tau(monkeypatch):
+    """With ``qk_clip_tau`` set, a head whose attention log-sum-exp bound is under τ − margin keeps the bound
+    (≥ its exact max, ≤ exact + log T, so it is never clipped), the others the exact max. The bound here is a
+    float64 log-sum-exp of the layer's own logits, standing in for the CUDA kernels' (CPU attention has none)."""
+    from k3train.config.schema import ModelConfig
+    from k3train.model import mla as mla_mod
+    from k3train.model.documents import Documents
+    from k3train.parallel.tensor_parallel import TPSpec
+
+    cfg = ModelConfig(mla_num_heads=8)
+    torch.manual_seed(0)
+    mla = mla_mod.GatedMLA(cfg, TPSpec(None, 0.5, "torch"))
+    x = torch.randn(2, 24, cfg.hidden_size) * 4
+    docs = Documents.from_position_ids(torch.tensor([list(range(10)) + list(range(14)), list(range(24))]))
+    mla.track_max_logit = True
+    mla(x, docs)
+    exact = mla.max_logit.clone()
+    attend, bounds = mla_mod.attend, []
+
+    def with_reference_bound(q, k, v, scale, docs, dense_mask):
+        logits = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
+        lse = logits.masked_fill(~dense_mask(), float("-inf")).logsumexp(-1)
+        bounds.append(lse.amax(dim=(0, 2)).float().detach())
+        return attend(q, k, v, scale, docs, dense_mask), bounds[-1]
+
+    monkeypatch.setattr(mla_mod, "attend_with_lse_bound", with_reference_bound)
+    mla.max_logit.fill_(float("-inf"))
+    mla.qk_clip_tau = None  # no τ: the exact maximum, bound or not
+    mla(x, docs)
+    torch.testing.assert_close(mla.max_logit, exact)
+    bound = bounds[-1]
+    assert bool((bound >= exact - 1e-4).all()) and bool((bound <= exact + math.log(24) + 1e-4).all())
+    tau = float(bound.median())
+    under = bound < tau - mla_mod.BOUND_MARGIN
+    assert 0 < int(under.sum()) < 8
+    mla.max_logit.fill_(float("-inf"))
+    mla.qk_clip_tau = tau
+    mla(x, docs)
+    torch.testing.assert_close(mla.max_logit[under], bound[under])
+    torch.testing.assert_close(mla.max_logit[~under], exact[~under])
+    rep = apply_qk_clip(torch.nn.Sequential(mla), tau)
+    assert rep["num_clipped_heads"] == int((exact > tau).sum())

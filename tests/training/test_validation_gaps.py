@@ -13,6 +13,7 @@ from test_training_helpers import train
     (["train.exit_after_steps=-1"], ["train.exit_after_steps=-1", ">= 0"]),
     (["train.eval_iters=0"], ["train.eval_iters=0", "train.eval_every=0"]),
     (["optim.weight_decay=-0.1"], ["optim.weight_decay=-0.1", ">= 0"]),
+    (["optim.qk_clip_tau=-1"], ["optim.qk_clip_tau=-1", ">= 0"]),
     (["data.split='100,0,0'", "train.eval_every=5"], ["data.split", "train.eval_every=0"]),
     (["train.max_consecutive_skips=-1"], ["train.max_consecutive_skips"]),
     (["train.loss_spike_factor=0.5"], ["train.loss_spike_factor"]),
