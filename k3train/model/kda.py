@@ -92,14 +92,19 @@ class KimiDeltaAttention(nn.Module):
         H, h = self.num_heads, self.head_dim
         pos, shard = docs.position_ids, docs.shard
 
-        # q, k, v through one depthwise conv (their channels side by side)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        weight = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d])
-        if shard is None:  # the conv and its SiLU in one kernel
-            qkv = causal_conv_with_resets(qkv, weight, pos, silu=True)
-        else:
-            qkv = causal_conv_context_parallel(qkv, weight, pos, shard, partial(causal_conv_with_resets, silu=True))
-        q, k, v = qkv.view(B, T, 3, H, h).unbind(2)
+        def conv(projected: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            """The conv and its SiLU in one kernel, [B, T, P] → [B, T, H, h] contiguous."""
+            if shard is None:
+                out = causal_conv_with_resets(projected, weight, pos, silu=True)
+            else:
+                out = causal_conv_context_parallel(projected, weight, pos, shard,
+                                                   partial(causal_conv_with_resets, silu=True))
+            return out.view(B, T, H, h)
+
+        # one conv each: its output is the kernel's contiguous input, no concatenation or copy either way
+        q = conv(self.q_proj(x), self.q_conv1d)
+        k = conv(self.k_proj(x), self.k_conv1d)
+        v = conv(self.v_proj(x), self.v_conv1d)
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, h)
         b = self.b_proj(x).view(B, T, H)
         A_log, dt_bias = self.A_log.float(), self.dt_bias.float()
