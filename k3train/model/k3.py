@@ -96,7 +96,7 @@ class K3Model(nn.Module):
         logits = self.lm_head(h)
         if labels is None:
             return logits
-        losses = self.tp.cross_entropy(logits, labels)
+        losses = self.tp.cross_entropy(logits, labels, grad_into_logits=True)  # the logits are ours alone
         if loss_mask is None:
             loss_mask = torch.ones_like(losses)
         total, count = (losses * loss_mask).sum(), loss_mask.sum()

@@ -275,14 +275,17 @@ class TPSpec:
         self._init(mod.weight, ParamRole(Kind.EMBEDDING, tp_partition_dim=0))
         return mod
 
-    def cross_entropy(self, logits_local: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(self, logits_local: torch.Tensor, labels: torch.Tensor,
+                      grad_into_logits: bool = False) -> torch.Tensor:
         """Per-token fp32 loss from vocabulary-sharded logits [..., V/tp]. CUDA logits go through the
         fused Triton kernels (``kernels.cross_entropy``: no fp32 copy of the logits, this rank's
-        vocabulary slice starts at rank · V/tp); CPU logits through today's fp32 path."""
+        vocabulary slice starts at rank · V/tp; with ``grad_into_logits`` their backward writes the
+        gradient over the logits, which the caller then no longer reads); CPU logits through today's
+        fp32 path."""
         if logits_local.is_cuda:
             group = self.groups.tp if self.backend != "torch" and self.size > 1 else None
-            return fused_cross_entropy(logits_local, labels, group=group,
-                                       vocab_start=self.rank * logits_local.shape[-1], backend="triton")
+            return fused_cross_entropy(logits_local, labels, group=group, vocab_start=self.rank * logits_local.shape[-1],
+                                       backend="triton", grad_into_logits=grad_into_logits)
         if self.backend == "torch":
             return F.cross_entropy(logits_local.float().flatten(0, -2), labels.flatten(), reduction="none"
                                    ).view(labels.shape)

@@ -89,10 +89,14 @@ def ce_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int
 
 
 def ce_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
-            vocab_start: int) -> torch.Tensor:
-    """dz [N, V_local] (contiguous, logits' dtype) from lse and the loss gradient g, fp32 contiguous [N]."""
+            vocab_start: int, in_place: bool = False) -> torch.Tensor:
+    """dz [N, V_local] (contiguous, logits' dtype) from lse and the loss gradient g, fp32 contiguous [N];
+    ``in_place`` (contiguous logits): written over the logits (each program reads its block of z before it
+    writes dz there, and reads nothing else of z), which saves an [N, V_local] allocation."""
     N, V = logits.shape
-    dz = torch.empty((N, V), dtype=logits.dtype, device=logits.device)
+    if in_place and not logits.is_contiguous():
+        raise ValueError("ce_grad: in_place needs contiguous logits (dz is written with row stride V)")
+    dz = logits if in_place else torch.empty((N, V), dtype=logits.dtype, device=logits.device)
     if dz.numel():
         _, block, opts = _blocks(logits)
         _ce_grad_kernel[(N, triton.cdiv(V, block))](logits, labels, lse, grad, dz, logits.stride(0), V,

@@ -123,6 +123,26 @@ def test_triton_kernels(N, V, dtype, shards):
     _assert_close(zl.grad, want_dz, "dz", dtype)
 
 
+@triton_cpu
+def test_grad_into_logits_writes_dz_over_them_with_the_same_gradients():
+    """``grad_into_logits``: a linear head's input and weight gradients are the same as with a fresh dz
+    (bit for bit), and afterwards the logits' storage holds dz: no second [N, V] tensor was made."""
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1)).to(DEV)
+    w = torch.randn(300, 16, generator=torch.Generator().manual_seed(2)).to(DEV)
+    labels = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(3)).to(DEV)
+    results = []
+    for in_place in (False, True):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        logits = xl @ wl.T
+        cross_entropy(logits, labels, backend="triton", grad_into_logits=in_place).sum().backward()
+        results.append((xl.grad, wl.grad, logits.detach()))
+    (dx, dw, logits), (dx_in_place, dw_in_place, overwritten) = results
+    assert torch.equal(dx, dx_in_place) and torch.equal(dw, dw_in_place)
+    dz = torch.softmax(logits.double(), -1) - F.one_hot(labels, 300).double()
+    assert not torch.equal(overwritten, logits)
+    _assert_close(overwritten, dz, "dz over the logits")
+
+
 def _two_rank_check(rank: int, world: int) -> None:
     z, labels, go = random_problem(11, 1000, seed=7, shards=world)
     z = z.float().double()
