@@ -132,7 +132,11 @@ def ablated(name: str):
     if name == "wgrad":
         patch = mock.patch.object(moe_module, "grouped_wgrad", functools.partial(grouped_wgrad, backend="torch"))
     elif name == "max-logit-bound":
-        exact_everywhere = functools.partial(lambda track, model, tau=None: track(model, None), track_max_logits)
+        track = track_max_logits
+
+        def exact_everywhere(model, tau=None):
+            track(model, None)
+
         patch = mock.patch.object(sys.modules[__name__], "track_max_logits", exact_everywhere)
     else:
         site = AttnResAggregator.forward

@@ -126,7 +126,8 @@ def lse_head_max(lse: torch.Tensor) -> torch.Tensor:
     kernel leaves unwritten can only raise the maximum, so it stays an upper bound; NaN becomes +inf
     (no bound)."""
     lse = lse.detach().float()
-    per_head = lse.amax(dim=1) if lse.dim() == 2 else lse.transpose(0, 1).flatten(1).amax(dim=1)
+    head_dim = 0 if lse.dim() == 2 else 1
+    per_head = lse.amax(dim=[d for d in range(lse.dim()) if d != head_dim])
     return torch.where(per_head.isnan(), float("inf"), per_head)
 
 
