@@ -21,7 +21,7 @@ at the local tokens' global positions.
 Triton launch that keeps no score tensor), with no gradient. With ``qk_clip_tau`` = τ set as well, a
 head whose attention kernel's log-sum-exp bound (``attend_with_lse_bound``: m_h ≤ bound ≤ m_h + log T)
 is under τ − ``BOUND_MARGIN`` keeps the bound instead (no clip can follow from it), and the exact
-kernel runs only for the others: early in training, for none.
+kernel runs only for the others (none while every bound stays under τ).
 """
 
 from __future__ import annotations
