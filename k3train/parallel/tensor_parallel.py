@@ -284,8 +284,9 @@ class TPSpec:
         fp32 path."""
         if logits_local.is_cuda:
             group = self.groups.tp if self.backend != "torch" and self.size > 1 else None
-            return fused_cross_entropy(logits_local, labels, group=group, vocab_start=self.rank * logits_local.shape[-1],
-                                       backend="triton", grad_into_logits=grad_into_logits)
+            return fused_cross_entropy(logits_local, labels, group=group,
+                                       vocab_start=self.rank * logits_local.shape[-1], backend="triton",
+                                       grad_into_logits=grad_into_logits)
         if self.backend == "torch":
             return F.cross_entropy(logits_local.float().flatten(0, -2), labels.flatten(), reduction="none"
                                    ).view(labels.shape)

@@ -99,7 +99,8 @@ def max_logit(q: torch.Tensor, k: torch.Tensor, q_doc: torch.Tensor, k_doc: torc
     bm, bn, warps, stages = tiles or (INTERPRETER_TILES if interpreted else GPU_TILES)
     n_m = triton.cdiv(Tq, bm)
     partial = torch.empty(B * H, n_m, dtype=torch.float32, device=q.device)
-    _max_logit_kernel[(n_m, B * H)](q, k, q_doc, k_doc, q_pos, q_pos if heads is None else heads.view(torch.uint8), partial, H, Tq, Tk,
+    head_mask = q_pos if heads is None else heads.view(torch.uint8)  # not read unless GATED
+    _max_logit_kernel[(n_m, B * H)](q, k, q_doc, k_doc, q_pos, head_mask, partial, H, Tq, Tk,
                                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                     q_doc.stride(0), k_doc.stride(0), float(scale),
                                     D1=pieces[0], D2=pieces[1], D3=pieces[2], BM=bm, BN=bn,

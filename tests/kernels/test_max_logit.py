@@ -95,7 +95,8 @@ def test_triton_custom_op_passes_opcheck_and_compiles():
     q, k = _qk(1, 2, 64, 64, 32, torch.float32, 3)
     q, k = q.contiguous(), k.contiguous()
     torch.library.opcheck(torch.ops.k3.max_logit, (q, k, k_doc, k_doc, q_pos, 0.2, None))
-    torch.library.opcheck(torch.ops.k3.max_logit, (q, k, k_doc, k_doc, q_pos, 0.2, torch.tensor([True, False], device=DEV)))
+    heads = torch.tensor([True, False], device=DEV)
+    torch.library.opcheck(torch.ops.k3.max_logit, (q, k, k_doc, k_doc, q_pos, 0.2, heads))
     torch._dynamo.reset()
     fn = torch.compile(lambda *a: max_logit(*a, 0.2, backend="triton"), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(fn(q, k, k_doc, k_doc, q_pos), max_logit(q, k, k_doc, k_doc, q_pos, 0.2, backend="torch"),
