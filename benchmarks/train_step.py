@@ -32,6 +32,14 @@ fla imports and CUDA is there): each variant is a fresh model from the same seed
 the same batch, with a fresh optimizer of the same config, one after the other in this process; the
 summary line gives the time ratio ours/fla per step and per phase (< 1: ours is faster), of the eager rows
 (of the compiled ones under ``--compile-only``).
+``--same-start`` takes the variants' routing out of that comparison: over a long warm-up, KDA kernels that round
+differently send tokens to different experts (session 21: fla's worst layer at 12–13 max/mean, ours at 4–7), and
+skewed routing costs the experts' weight gradient more. With it the first variant warms up ``--warmup`` steps,
+its state (weights and buffers, QB's routing biases among them; the fp32 main weights; the optimizer's state) is
+kept on the host, and every later variant (fla's, the ablations) loads it and warms up only ``--start-steps``
+steps (compiling and recording), on the micro-batches just before the timed ones; every variant then times the
+same micro-batches from the same state but for those few steps. One row per variant: eager, or
+``--compile --compile-only``.
 
 Each row also gives, per timed step, the worst layer's expert load max/mean (step-pooled tokens per
 expert over their mean, this rank's): the routing the MoE GEMMs ran on. Soon after initialisation the
@@ -99,7 +107,7 @@ from k3train.optim.builder import build_optimizer
 from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
 from k3train.parallel.state import ParallelGroups, destroy_parallel, init_parallel
-from k3train.precision.main_params import MainParams
+from k3train.precision.main_params import MainParams, main_param
 from k3train.training.compile import begin_forward, compile_layers
 from k3train.training.flops import train_flops_per_token
 from k3train.training.kernel_time import format_summary, kernel_summary
@@ -268,6 +276,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--document-attention", choices=document_attention.WAYS, default=None,
                     help="MLA's attention over packed rows, with --mean-doc (k3train/model/document_attention.py; "
                          "default: the model's, DOCUMENT_ATTENTION)")
+    ap.add_argument("--same-start", action="store_true",
+                    help="every variant after the first starts from the first one's state after its warm-up and "
+                         "warms up --start-steps steps (see the docstring)")
+    ap.add_argument("--start-steps", type=int, default=3,
+                    help="with --same-start: warm-up steps of the later variants (the first compiles, the next "
+                         "record CUDA graphs); at most --warmup")
     ap.add_argument("--ablate", nargs="+", choices=ABLATIONS, default=[],
                     help="also time our model with each of these pieces swapped for what it replaced (see ablated)")
     ap.add_argument("--profile", action="store_true",
@@ -277,6 +291,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"--accum {args.accum}: at least one micro-batch a step")
     if args.compile_only and not args.compile:
         ap.error("--compile-only leaves out the eager timing of --compile; add --compile")
+    if args.same_start and args.compile and not args.compile_only:
+        ap.error("--same-start gives one row per variant: time eagerly, or add --compile-only to --compile")
+    if args.same_start and not 1 <= args.start_steps <= args.warmup:
+        ap.error(f"--start-steps {args.start_steps}: between 1 and --warmup ({args.warmup})")
     if args.mean_doc is not None and args.data != "random":
         ap.error(f"--mean-doc packs random rows; --data {args.data} has its own documents (corpus-packed uses them)")
     model_default = document_attention.DOCUMENT_ATTENTION
@@ -316,10 +334,12 @@ def run(args, device: torch.device, groups: ParallelGroups | None) -> list[dict]
 
     print(f"{'model':>12} {'n×B×T':>12} {'variant':>18} {'optim':>5} {'recompute':>9} {'ms/step':>9} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'MFU(989)':>9} {'MFU(694)':>9} {'mem GB':>7} {'QB ms':>6} {'QB %':>5}")
-    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, batches, device, groups)]
+    start = StartState() if args.same_start else None
+    rows = [row for kda in variants for row in run_variant(kda, args, cfg, ocfg, batches, device, groups,
+                                                           start=start)]
     for name in args.ablate:
         with ablated(name):
-            rows += run_variant("ours", args, cfg, ocfg, batches, device, groups, ablation=name)
+            rows += run_variant("ours", args, cfg, ocfg, batches, device, groups, ablation=name, start=start)
     by = {r["kda"]: r for r in rows if r["compile"] == args.compile_only and r["ablation"] is None}
     ratio = None
     if "ours" in by and "fla" in by:
@@ -385,12 +405,52 @@ def micro_batches(args, cfg: ModelConfig, device: torch.device,
              b["position_ids"] if args.data == "corpus-packed" else None) for _, b in zip(range(n), rows)]
 
 
+def _to_host(state):
+    """A copy of ``state`` (tensors in dicts, lists and tuples) with every tensor on the host."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _to_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_host(v) for v in state)
+    return state
+
+
+class StartState:
+    """``--same-start``: one variant's training state, kept on the host until the next variant loads it: the
+    model's state dict (its weights and buffers, QB's routing biases among them), the fp32 main weights
+    (``main_param``; the weights themselves under fp32 parameters) and the optimizer's state dict."""
+
+    def __init__(self):
+        self.saved: tuple[dict, list[torch.Tensor], dict] | None = None
+
+    def save(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.saved = (_to_host(model.state_dict()), [_to_host(main_param(p)) for p in model.parameters()],
+                      _to_host(opt.state_dict()))
+
+    @torch.no_grad()
+    def load(self, model: torch.nn.Module, main: MainParams, opt: torch.optim.Optimizer) -> None:
+        """Into a model built as the saved one was, its ``MainParams`` and optimizer."""
+        weights, mains, opt_state = self.saved
+        model.load_state_dict(weights)
+        params = list(model.parameters())
+        if len(params) != len(mains):
+            raise ValueError(f"--same-start: {len(params)} parameters here, {len(mains)} saved")
+        for p, m in zip(params, mains):
+            main_param(p).copy_(m)
+        main.sync_model()  # the compute copies rounded from the main weights, as the saved model's were
+        opt.load_state_dict(opt_state)  # a copy on the parameters' device; the host copy stays for the next
+
+
 def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
                 batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], device: torch.device,
-                groups: ParallelGroups | None, ablation: str | None = None) -> list[dict]:
+                groups: ParallelGroups | None, ablation: str | None = None,
+                start: StartState | None = None) -> list[dict]:
     """Build the model (seed 0) with the ``kda`` kernel, time ``args.steps`` steps, print its line; with
     ``args.compile`` then compile its layers and time it again. Its rows (eager, then compiled), marked
-    with the ``ablation`` they ran under (``ablated``, entered by the caller) or None."""
+    with the ``ablation`` they ran under (``ablated``, entered by the caller) or None. ``start``
+    (``--same-start``): empty, this variant fills it after its warm-up; filled, this variant starts from it
+    and warms up ``args.start_steps`` steps on the micro-batches before the timed ones."""
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = K3Model(cfg).to(device)
@@ -404,11 +464,15 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
     opt = build_optimizer(model, ocfg, groups)
     if hasattr(opt, "check_finite"):  # as the trainer, whose step guard checks the gradient norm instead
         opt.check_finite = False
+    started = start is not None and start.saved is not None
+    if started:
+        start.load(model, main, opt)
+    warmup = args.start_steps if started else args.warmup
 
     moe = model.moe_layers()
     ticks: list[list] = []
     loads: list[torch.Tensor] = []  # per step: the worst layer's step-pooled expert load max/mean (on the device)
-    drawn = 0  # micro-batches drawn from ``batches`` (cycled)
+    drawn = (args.warmup - warmup) * args.accum  # micro-batches drawn from ``batches`` (cycled)
     compiled_mode = None  # set once the layers are compiled
 
     def tick():
@@ -461,7 +525,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
         return a.elapsed_time(b) if cuda else (b - a) * 1e3
 
     def measure(compiled: bool) -> dict:
-        """``args.warmup`` steps (the first one timed on its own: it compiles), ``args.steps`` timed; its row."""
+        """``warmup`` steps (the first one timed on its own: it compiles), ``args.steps`` timed; its row."""
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -469,8 +533,10 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
         if cuda:
             torch.cuda.synchronize()
         first_step_s = time.perf_counter() - t0
-        for _ in range(args.warmup - 1):
+        for _ in range(warmup - 1):
             loss = step()
+        if start is not None and not started:
+            start.save(model, opt)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -500,7 +566,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
         row = {"model": args.model, "kda": kda, "ablation": ablation, "optim": args.optim, "compile": compiled, "batch": args.batch,
                "accum": args.accum, "seq": args.seq, "data": args.data, "mean_doc": args.mean_doc,
                "document_attention": args.document_attention,
-               "dtype": dtype, "recompute": args.recompute,
+               "dtype": dtype, "recompute": args.recompute, "warmup": warmup,
+               "start": "shared" if started else "own",
                "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
                "step_ms_median": per_step[len(per_step) // 2], "step_ms_min": per_step[0],
                "world_size": world, "tokens_per_s": world * tok / dt, "model_tflops": tflops,
@@ -516,8 +583,10 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
               f"{_fmt(row['mfu_datasheet'], '.1%', 9)} {_fmt(row['mfu_measured_gemm'], '.1%', 9)} "
               f"{_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
         clock = "GPU time between events" if cuda else "host time"
+        origin = " from the first variant's state" if started else ""
         print(f"  {name}: {args.params} params, {args.optim}; step median {row['step_ms_median']:.1f} ms "
-              f"(min {row['step_ms_min']:.1f}); loss {row['first_loss']:.4f} at the first step; expert load "
+              f"(min {row['step_ms_min']:.1f}); loss {row['first_loss']:.4f} at the first of {warmup} warm-up "
+              f"steps{origin}; expert load "
               f"max/mean (worst layer) {_load_range(row['expert_load_max_over_mean'])}; "
               f"phases ({clock}, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in phase_ms.items()), flush=True)
         return row

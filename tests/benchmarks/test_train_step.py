@@ -155,6 +155,79 @@ def test_ablations_time_the_pieces_swapped_out_with_the_same_math_on_cpu(tmp_pat
         assert (r["first_loss"], r["loss"]) == (ours["first_loss"], ours["loss"]), r["ablation"]
 
 
+def _tiny_training(dtype: torch.dtype):
+    """k3_tiny (seed 0) as train_step builds it on ``dtype`` parameters (fp32 main weights; bf16 ones under
+    CPU autocast), with Muon and QB, and a function that takes one step on a batch and returns its loss."""
+    from k3train.optim.builder import build_optimizer
+    from k3train.parallel.grad_buffers import GradBuffers
+    from k3train.precision.main_params import MainParams
+
+    torch.manual_seed(0)
+    model = K3Model(train_step.model_config("k3_tiny"))
+    main = MainParams(model, dtype)
+    grads = GradBuffers(model, None)
+    opt = build_optimizer(model, train_step.optim_config("muon"), None)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        grads.zero()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
+        grads.reduce()
+        opt.step()
+        main.sync_model()
+        for layer in model.moe_layers():
+            layer.update_bias(None)
+            layer.load.reset()
+        return loss.detach()
+
+    return model, main, opt, step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_start_state_gives_a_fresh_model_the_saved_training_state(dtype):
+    """--same-start's StartState: a model trained two steps, saved, loaded into a fresh one built the same
+    way: the weights, fp32 main weights, QB's biases and optimizer state equal the saved ones, and a further
+    step on the same batch gives both the same loss and weights, bit for bit (CPU)."""
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 512, (2, 17), generator=g) for _ in range(3)]
+    model, _, opt, step = _tiny_training(dtype)
+    for tokens in batches[:2]:
+        step(tokens)
+    saved = train_step.StartState()
+    saved.save(model, opt)
+    fresh, fresh_main, fresh_opt, fresh_step = _tiny_training(dtype)
+    biases = [layer.gate.e_score_correction_bias for layer in model.moe_layers()]
+    assert any(bool(b.ne(0).any()) for b in biases)  # QB has moved them: the check below can fail
+    saved.load(fresh, fresh_main, fresh_opt)
+    for (name, p), q in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(p, q), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(train_step.main_param(p), train_step.main_param(q))
+    assert str(opt.state_dict()) == str(fresh_opt.state_dict())
+    assert torch.equal(step(batches[2]), fresh_step(batches[2]))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(train_step.main_param(p), train_step.main_param(q))
+
+
+def test_same_start_times_later_variants_from_the_first_ones_state(tmp_path, capsys):
+    """--same-start end to end (CPU, k3_tiny, the corpus): the ablated variant loads ours after its 3 warm-up
+    steps and warms up 1 step, on the micro-batch just before the timed one; its first loss is then that of a
+    trained model, below the fresh model's. Without --compile-only under --compile, or with more start steps
+    than warm-up steps, the command is refused."""
+    out = tmp_path / "ts.json"
+    base = ["--model", "k3_tiny", "--batch", "2", "--seq", "32", "--steps", "1", "--warmup", "3", "--kda", "ours",
+            "--optim", "muon", "--data", "corpus", "--json", str(out)]
+    train_step.main(base + ["--same-start", "--start-steps", "1", "--ablate", "wgrad"])
+    ours, ablated = json.loads(out.read_text())["rows"]
+    assert (ours["start"], ours["warmup"], ablated["start"], ablated["warmup"]) == ("own", 3, "shared", 1)
+    assert ablated["first_loss"] < ours["first_loss"] - 0.05, (ablated["first_loss"], ours["first_loss"])
+    assert "warm-up steps from the first variant's state" in capsys.readouterr().out
+    for bad in (["--compile"], ["--start-steps", "4"], ["--start-steps", "0"]):
+        with pytest.raises(SystemExit):  # argparse's errors
+            train_step.main(base + ["--same-start"] + bad)
+
+
 def test_max_logit_bound_ablation_tracks_every_heads_exact_max():
     """--ablate max-logit-bound: models built within it track QK-clip's exact max logit for every MLA head
     (no τ for the log-sum-exp bound); outside it they get τ again."""
