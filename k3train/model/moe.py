@@ -174,9 +174,11 @@ class LatentMoE(nn.Module):
 
     @torch.compiler.disable
     def _keep_router_inputs(self, x: torch.Tensor) -> None:
-        """Keep every s-th position's router input for re-scoring (a list that grows each
-        micro-batch: run eagerly, a graph break under torch.compile when re-scoring is on)."""
-        self.router_inputs.append(x[:, ::self.qb_rescore_stride].reshape(-1, x.shape[-1]).detach())
+        """Keep a copy of every s-th position's router input for re-scoring (a list that grows each
+        micro-batch: run eagerly, a graph break under torch.compile when re-scoring is on). A copy, never a
+        view: under CUDA graphs x lives in the graph pool, which the next micro-batch's replay overwrites."""
+        kept = x[:, ::self.qb_rescore_stride].detach().clone(memory_format=torch.contiguous_format)
+        self.router_inputs.append(kept.view(-1, x.shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

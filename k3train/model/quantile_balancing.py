@@ -90,7 +90,9 @@ class QuantileBalancer(nn.Module):
 
     @torch.compiler.disable
     def _keep(self, r: torch.Tensor) -> None:
-        self._r.append(r)
+        """Keep a copy of r for the step's update (under CUDA graphs r lives in the graph pool, which the
+        next micro-batch's replay overwrites)."""
+        self._r.append(r.clone())
 
     @torch.no_grad()
     def observe(self, scores: torch.Tensor, cutoff: torch.Tensor, bias: torch.Tensor) -> None:

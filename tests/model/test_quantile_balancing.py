@@ -124,6 +124,28 @@ def test_rescore_estimates_from_the_updated_router(stride):
     assert not moe.router_inputs
 
 
+@pytest.mark.parametrize("stride", [1, 3])
+def test_kept_router_inputs_and_residuals_are_copies(stride):
+    """What QB keeps past a micro-batch (the router inputs to re-score, the exact estimator's r = α − s)
+    shares no storage with the forward's tensors: under CUDA graphs those live in the graph pool, and the
+    next micro-batch's replay writes over them before the update reads what was kept."""
+    moe = _moe(qb_rescore_stride=stride)
+    x = torch.randn(2, 12, 64)
+    seen = []
+    original = moe.balancer._keep
+
+    def recording_keep(r):
+        seen.append(r)
+        original(r)
+
+    moe.balancer._keep = recording_keep
+    moe(x)
+    (kept_x,), (kept_r,), (r,) = moe.router_inputs, moe.balancer._r, seen
+    assert torch.equal(kept_x, x[:, ::stride].reshape(-1, 64)) and torch.equal(kept_r, r)
+    assert kept_x.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    assert kept_r.untyped_storage().data_ptr() != r.untyped_storage().data_ptr()
+
+
 def test_update_within_a_step_uses_the_forward_scores():
     """A within-step update (no optimizer step yet) pools the micro-batches since the last update."""
     moe = _moe()
