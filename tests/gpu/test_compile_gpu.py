@@ -105,6 +105,46 @@ def _agree(loss, grads, want_loss, want_grads, loss_noise, grad_noise):
     assert total <= 0.1 * grad_noise, (total, grad_noise, max(per, key=per.get))
 
 
+def test_qb_keeps_each_micro_batchs_router_inputs_under_cuda_graphs():
+    """Re-scoring (``model.qb_rescore_stride=1``) and the exact estimator keep tensors of the MoE forward past
+    its micro-batch; under CUDA graphs those come out of a layer graph whose next replay overwrites them, so
+    what is kept must be a copy. Two micro-batches of different tokens through reduce-overhead layers: the
+    router inputs kept of the first equal eager's (within bf16 noise; a view would hold the second's), and
+    the bias from the update after the (here skipped) optimizer step is eager's."""
+    raw = yaml.safe_load((REPO / "conf/model/k3_tiny_kernel.yaml").read_text())
+    cfg = ModelConfig(**{**raw, "qb_rescore_stride": 1, "qb_estimator": "exact"})
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = K3Model(cfg).cuda().train()
+    compiled = copy.deepcopy(eager)
+    compile_layers(compiled, mode="reduce-overhead")
+    g = torch.Generator().manual_seed(2)
+    batches = [[torch.randint(0, cfg.vocab_size, (2, T), generator=g).cuda() for _ in range(2)] for _ in range(2)]
+    pos = torch.arange(T).repeat(2, 1).cuda()
+    for model, mode in ((eager, None), (compiled, "reduce-overhead")):
+        for _ in range(2):  # the second round replays what the first recorded
+            for moe in model.moe_layers():
+                moe.router_inputs.clear()
+                moe.balancer.reset()
+            for tokens, labels in batches:
+                if mode:
+                    begin_forward(mode)
+                _step(model, tokens, pos, labels)
+    for want, got in zip(eager.moe_layers(), compiled.moe_layers()):
+        assert len(got.router_inputs) == 2
+        for a, b in zip(want.router_inputs, got.router_inputs):
+            assert float((b.float() - a.float()).norm() / a.float().norm()) < 2e-2
+        first, second = got.router_inputs
+        assert float((first.float() - second.float()).norm() / second.float().norm()) > 0.1
+    for moe in (*eager.moe_layers(), *compiled.moe_layers()):
+        moe.update_bias()
+    for want, got in zip(eager.moe_layers(), compiled.moe_layers()):
+        bias, want_bias = got.gate.e_score_correction_bias, want.gate.e_score_correction_bias
+        err, scale = float((bias - want_bias).abs().max()), float(want_bias.abs().max())
+        print(f"QB bias: compiled against eager {err:.2e}, eager's largest {scale:.2e}")
+        assert err <= 0.25 * scale  # bf16 noise moves the quantiles a little (CPU, aot_eager: equal)
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_trainer_with_compile(tmp_path, mode):
     """python -m k3train.train train.compile=true with each train.compile_mode (reduce-overhead: CUDA
