@@ -37,6 +37,7 @@ from k3train.data.default_corpus import ensure_default_dataset, resolve_cache_di
 from k3train.data.tokenizer import K3Tokenizer, default_tokenizer_path
 
 PREP_HINT = "python -m data_prep.tokenize_corpus --input <corpus> --output-prefix {prefix}"
+MEMORISE_PASSES = 4  # passes over the train split past which passes_over_data's line warns
 
 
 @dataclass
@@ -103,6 +104,42 @@ def _split_doc_counts(num_docs: int, split_matrix) -> list[int]:
         else:
             out.append(int(round(bookends[1] * num_docs)) - int(round(bookends[0] * num_docs)))
     return out
+
+
+def train_split_tokens(paths: Sequence[str], split) -> list[int]:
+    """Tokens (EODs included) in each dataset's train split: its first round(share · documents)
+    documents, where Megatron-Core's builder cuts them (share = the first ``data.split`` weight over
+    their sum)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    weights = parse_split(split)
+    share = weights[0] / sum(weights)
+    out = []
+    for p in paths:
+        index = IndexedDataset(os.path.expanduser(str(p)))  # kept alive: its lengths are a view of its mmap
+        lengths = index.sequence_lengths
+        out.append(int(lengths[: int(round(share * lengths.shape[0]))].sum()))
+    return out
+
+
+def passes_over_data(cfg, paths: Sequence[str], weights: Optional[Sequence[float]], seq_len: int,
+                     num_train_samples: int) -> tuple[float, str]:
+    """How many times a run of ``num_train_samples`` rows of ``seq_len`` tokens reads its train split
+    (the most-read dataset of a blend), and a log line that says so. Each dataset gets its weight's
+    share of the rows (its size's share without weights), so passes_i = share_i · rows · seq_len /
+    tokens_i."""
+    paths = list(paths)
+    tokens = train_split_tokens(paths, cfg.split)
+    shares = [float(w) for w in weights] if weights else [float(t) for t in tokens]
+    total = sum(shares)
+    passes = max(s / total * num_train_samples * seq_len / max(t, 1) for s, t in zip(shares, tokens))
+    line = (f"data: the train split holds {sum(tokens):,} tokens; this run reads "
+            f"{num_train_samples * seq_len:,} ({num_train_samples:,} rows of {seq_len}): {passes:.2f} passes")
+    if passes > MEMORISE_PASSES:
+        line += (f". Over {MEMORISE_PASSES} passes the model memorises the data (the loss falls towards 0 and "
+                 f"stops measuring learning); for longer runs or larger batches build a larger corpus: "
+                 + PREP_HINT.format(prefix="<prefix>") + " and set data.paths=[<prefix>]")
+    return passes, line
 
 
 def _default_prefix_for(cfg, tokenizer: K3Tokenizer) -> str:

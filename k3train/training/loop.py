@@ -167,7 +167,7 @@ class Trainer:
 
     def _build_data(self) -> None:
         from k3train.data.batches import BatchIterator
-        from k3train.data.datasets import build_datasets, resolve_data
+        from k3train.data.datasets import build_datasets, passes_over_data, resolve_data
         from k3train.data.tokenizer import check_vocab, load_tokenizer
 
         cfg, t = self.cfg, self.cfg.train
@@ -179,6 +179,9 @@ class Trainer:
             cfg.data, cfg.data.seq_len, num_train_samples=t.steps * t.global_batch_size,
             num_valid_samples=max(1, evals * t.eval_iters * t.micro_batch_size * self.groups.dp_size),
             tokenizer=self.tokenizer)
+        if self.groups.is_main:
+            print(passes_over_data(cfg.data, resolved.paths, resolved.weights, cfg.data.seq_len,
+                                   t.steps * t.global_batch_size)[1], flush=True)
         g = self.groups
         self.train_iter = BatchIterator(train_ds, t.micro_batch_size, g.dp_rank, g.dp_size,
                                         context=self.model.context)

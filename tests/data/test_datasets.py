@@ -170,3 +170,30 @@ def test_tokenizer_must_match_the_data(make_jsonl, tmp_path, tiny_tokenizer):
     assert resolved.tokenizer_path == prefix + ".tokenizer.json" and resolved.paths == [prefix]
     train, valid = build_datasets(_cfg(tmp_path, [prefix], split="80,20,0"), 16, 10, 2, tok)
     assert len(train) >= 10 and len(valid) >= 2
+
+
+def test_passes_over_data_counts_megatrons_train_split(tmp_path, rng, tiny_tokenizer, write_synthetic_dataset):
+    from k3train.data.datasets import MEMORISE_PASSES, passes_over_data, train_split_tokens
+
+    prefix, lengths, values = _synthetic(tmp_path, write_synthetic_dataset, rng, n_docs=120)
+    cfg = _cfg(tmp_path, [prefix], split="80,20,0")
+    train, _ = build_datasets(cfg, 16, 400, 8, tiny_tokenizer)
+    # the documents Megatron-Core put in the train split, told apart by their token values
+    seen = set()
+    for i in range(len(train)):
+        seen |= set(train[i]["tokens"].tolist())
+    in_train = [n + 1 for n, v in zip(lengths, values) if v in seen]
+    assert len(in_train) == 96
+    assert train_split_tokens([prefix], cfg.split) == [sum(in_train)]
+
+    passes, line = passes_over_data(cfg, [prefix], None, 16, 400)
+    assert passes == pytest.approx(400 * 16 / sum(in_train))
+    assert f"{passes:.2f} passes" in line
+    assert ("memorises" in line) == (passes > MEMORISE_PASSES)
+    # a blend: each dataset reads its weight's share; the line reports the most-read one
+    b, lengths_b, _ = _synthetic(tmp_path, write_synthetic_dataset, rng, n_docs=120, name="b", first_value=300)
+    tokens_b = train_split_tokens([b], cfg.split)[0]
+    passes, _ = passes_over_data(cfg, [prefix, b], [0.9, 0.1], 16, 400)
+    assert passes == pytest.approx(max(0.9 * 6400 / sum(in_train), 0.1 * 6400 / tokens_b))
+    few, line = passes_over_data(cfg, [prefix], None, 16, 1)
+    assert few < 1 and "memorises" not in line
