@@ -15,7 +15,10 @@ step's loss and per-layer loads. docs/moe_notes.md §3 has the figures.
 ``--oracle`` also records, per step and layer, the load a bias *fitted on the step's own forward
 scores* would give (10 exact Quantile Balancing iterations on those scores: not causal, so not a
 method, but the floor any per-expert bias can reach on that step; repeated, near-identical tokens
-keep it above 1), and the same per micro-batch next to the load the run's bias gave it.
+keep it above 1), and the same per micro-batch next to the load the run's bias gave it. It works in
+compiled layers too (``train.compile=true``: a graph break per MoE layer, where it runs eagerly);
+``--oracle-every N`` records it on every N-th step only (its 10 fits over a step's scores take a
+while at bench scale).
 """
 
 from __future__ import annotations
@@ -61,17 +64,23 @@ def fitted_load(scores: torch.Tensor, top_k: int, bias: torch.Tensor, iters: int
 
 class OracleRecorder:
     """Keeps one MoE layer's forward scores over a step (not the re-scored ones of the QB update)
-    and, per micro-batch, the load its bias gave next to ``fitted_load``."""
+    and, per micro-batch, the load its bias gave next to ``fitted_load``; only while ``active``.
+
+    Its ``observe`` runs eagerly also in compiled layers (a graph break) and keeps copies: under
+    CUDA graphs the scores live in the graph's pool, which the next replay overwrites."""
 
     def __init__(self, layer):
         self.scores: list[torch.Tensor] = []
         self.micro: list[torch.Tensor] = []  # [actual, fitted] per micro-batch
+        self.active = True
         self._in_update = False
         balancer, update_bias = layer.balancer, layer.update_bias
 
+        @torch.compiler.disable
         def observe(scores, cutoff, bias):
-            if not self._in_update:
+            if self.active and not self._in_update:
                 k = balancer.top_k
+                scores = scores.detach().clone()
                 chosen = (scores + bias).topk(k, dim=-1).indices.flatten()
                 actual = _max_over_mean(torch.bincount(chosen, minlength=scores.shape[1]))
                 self.micro.append(torch.stack([actual, fitted_load(scores, k, bias)]))
@@ -88,8 +97,11 @@ class OracleRecorder:
         balancer.observe, layer.update_bias = observe, update
         self.layer = layer
 
-    def pop(self) -> dict:
-        """This step's pooled fitted load and the per-micro-batch [actual, fitted] pairs."""
+    def pop(self) -> dict | None:
+        """This step's pooled fitted load and the per-micro-batch [actual, fitted] pairs (None when
+        nothing was recorded)."""
+        if not self.scores:
+            return None
         pooled = fitted_load(torch.cat(self.scores), self.layer.balancer.top_k,
                              self.layer.gate.e_score_correction_bias)
         micro = torch.stack(self.micro).tolist()
@@ -97,22 +109,27 @@ class OracleRecorder:
         return {"pooled": round(float(pooled), 4), "micro": [[round(a, 4), round(f, 4)] for a, f in micro]}
 
 
-def run_variant(overrides: list[str], steps: int, out_dir: str, oracle: bool = False) -> list[dict]:
+def run_variant(overrides: list[str], steps: int, out_dir: str, oracle: bool = False,
+                oracle_every: int = 1, on_step=lambda rows: None) -> list[dict]:
+    """Train ``steps`` steps; one row a step, handed to ``on_step`` (the rows so far) as it comes."""
     cfg = load_config(overrides + RUN + [f"train.out_dir={out_dir}"])
     validate(cfg)  # one process: what python -m k3train.train checks at start-up
     trainer = Trainer(cfg)
     try:
         recorders = [OracleRecorder(layer) for layer in trainer.model.moe_layers()] if oracle else []
         rows = []
-        for _ in range(steps):
+        for i in range(steps):
+            for rec in recorders:
+                rec.active = (i + 1) % oracle_every == 0
             r = trainer.train_step()
             trainer.step += 1
             rows.append({k: r[k] for k in ("step", "loss", "step_time_s", "expert_load_max_over_mean",
                                            "expert_load_per_layer", "qb_bias_range")})
-            if recorders:
-                fitted = [rec.pop() for rec in recorders]
+            fitted = [rec.pop() for rec in recorders]
+            if fitted and all(fitted):
                 rows[-1]["fitted_load_per_layer"] = [f["pooled"] for f in fitted]
                 rows[-1]["micro_batch_load_actual_fitted"] = [f["micro"] for f in fitted]
+            on_step(rows)
     finally:
         trainer.lock.release()
         del trainer
@@ -131,17 +148,27 @@ def main(argv=None) -> None:
     ap.add_argument("--from-step", type=int, default=20, help="first step of the worst-load column")
     ap.add_argument("--json", default="qb_sweep.json")
     ap.add_argument("--oracle", action="store_true", help="also record the fitted (non-causal) load floor")
+    ap.add_argument("--oracle-every", type=int, default=1, help="record it on every n-th step only")
     args = ap.parse_args(argv)
+    if args.oracle_every < 1:
+        ap.error(f"--oracle-every must be >= 1, got {args.oracle_every}")
 
     results = {}
     for spec in args.variants:
         tag, _, extra = spec.partition(":")
         overrides = args.base.split() + [o for o in extra.split(",") if o]
+
+        def save(rows, tag=tag, overrides=overrides):  # every step: a run cut short keeps its rows
+            results[tag] = {"overrides": overrides, "rows": rows}
+            with open(args.json, "w") as fh:
+                json.dump(results, fh)
+            r = rows[-1]
+            fitted = f", fitted {max(r['fitted_load_per_layer']):.2f}" if "fitted_load_per_layer" in r else ""
+            print(f"{tag} step {r['step']}: loss {r['loss']:.4f}, {1e3 * r['step_time_s']:.0f} ms, worst layer's "
+                  f"load {max(r['expert_load_per_layer']):.2f}{fitted}", flush=True)
+
         with tempfile.TemporaryDirectory() as out_dir:
-            rows = run_variant(overrides, args.steps, out_dir, args.oracle)
-        results[tag] = {"overrides": overrides, "rows": rows}
-        with open(args.json, "w") as fh:
-            json.dump(results, fh)
+            run_variant(overrides, args.steps, out_dir, args.oracle, args.oracle_every, save)
 
     print(f"{'variant':<16}{'ms/step':>9}{'loss':>8}{'median load':>13}{'worst load':>13}"
           f"{'fitted med':>13}{'fitted worst':>13}  (worst layer a step, steps >= {args.from_step})")

@@ -38,6 +38,44 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
     assert "published" in table and "within" in table and "fitted worst" in table
 
 
+def test_oracle_records_compiled_layers_like_eager_ones(monkeypatch):
+    """In compiled layers (aot_eager on CPU) the recorder's observe runs eagerly at a graph break and
+    keeps copies: two micro-batches give the eager model's scores and fitted loads; inactive, nothing."""
+    import copy
+
+    from k3train.config.schema import ModelConfig
+    from k3train.model.k3 import K3Model
+    from k3train.training.compile import compile_layers
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = K3Model(ModelConfig(num_layers=2, full_attn_layers=[2])).train()
+    compiled = copy.deepcopy(eager)
+    compile_layers(compiled, backend="aot_eager")
+    recorders = {m: [qb_sweep.OracleRecorder(layer) for layer in m.moe_layers()] for m in (eager, compiled)}
+    traced = []  # under CUDA graphs a traced observe would keep tensors of the graph pool
+    fitted_load = qb_sweep.fitted_load
+    monkeypatch.setattr(qb_sweep, "fitted_load", lambda *a: traced.append(torch.compiler.is_compiling())
+                        or fitted_load(*a))
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 512, (2, 16), generator=g) for _ in range(3)]
+    for model in (eager, compiled):
+        for i, tokens in enumerate(batches):
+            for rec in recorders[model]:
+                rec.active = i < 2  # the third micro-batch is not recorded
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(tokens, labels=tokens).backward()
+    # 2 models x their MoE layers x 2 recorded micro-batches, all eager (a traced one says True)
+    assert traced == [False] * (2 * len(recorders[eager]) * 2)
+    for want, got in zip(recorders[eager], recorders[compiled]):
+        assert len(got.scores) == len(want.scores) == 2
+        for a, b in zip(got.scores, want.scores):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+        assert got.scores[0].data_ptr() != got.scores[1].data_ptr()
+        assert got.pop()["pooled"] == pytest.approx(want.pop()["pooled"], rel=0.05)
+        assert got.pop() is None  # popped: nothing until the next active micro-batch
+
+
 def test_fitted_load_balances_what_a_bias_can_split():
     """Distinct random scores: the fitted bias brings a skewed router to near-perfect balance;
     identical tokens: no bias can split them, the load stays E/k."""
