@@ -107,18 +107,19 @@ def _split_doc_counts(num_docs: int, split_matrix) -> list[int]:
 
 
 def train_split_tokens(paths: Sequence[str], split) -> list[int]:
-    """Tokens (EODs included) in each dataset's train split: its first round(share · documents)
-    documents, where Megatron-Core's builder cuts them (share = the first ``data.split`` weight over
-    their sum)."""
+    """Tokens (EODs included) in each dataset's train split: its first documents, as many as
+    Megatron-Core's builder gives it (``_split_doc_counts`` on its split matrix)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    weights = parse_split(split)
-    share = weights[0] / sum(weights)
+    parse_split(split)  # our error message first
+    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(str(split)))
     out = []
     for p in paths:
         index = IndexedDataset(os.path.expanduser(str(p)))  # kept alive: its lengths are a view of its mmap
         lengths = index.sequence_lengths
-        out.append(int(lengths[: int(round(share * lengths.shape[0]))].sum()))
+        out.append(int(lengths[: _split_doc_counts(lengths.shape[0], split_matrix)[0]].sum()))
     return out
 
 
