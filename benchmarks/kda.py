@@ -28,6 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # op_timing
+
+from op_timing import kernel_ms  # noqa: E402
 
 PEAK_TFLOPS = 694.0
 PEAK_TBPS = 4.2
@@ -134,7 +137,6 @@ def rel(a, b):
 
 def profile_kernels(fn, inputs, cu, do, iters=5):
     """Per-kernel CUDA time (ms per fwd+bwd), via torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
     if not inputs[0].is_cuda:
         return {}
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
@@ -143,21 +145,7 @@ def profile_kernels(fn, inputs, cu, do, iters=5):
         for x in leaves:
             x.grad = None
         torch.autograd.backward(fn(*leaves, cu), do)
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = e.cuda_time_total
-        if t > 0:
-            out[e.key[:60]] = t / 1e3 / iters
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    return {name[:60]: ms for name, ms in kernel_ms(step, iters).items()}
 
 
 SWEEP = [  # overrides of kernels.kda.chunk.CONFIG (defaults first)

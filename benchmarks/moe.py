@@ -13,7 +13,8 @@ A row times dispatch -> experts -> combine from the latent tokens z [N, l], the 
 and gate weights [N, k] (router, W_down and W_up excluded), forward + backward with a fixed
 output gradient; medians of triton.testing.do_bench (time.perf_counter on CPU), or with --cuda-graph of
 replays captured in a CUDA graph (GPU time without the host's autograd and launch overhead, as under
-train.compile_mode=reduce-overhead; each row's JSON says how it was timed).
+train.compile_mode=reduce-overhead; each row's JSON says how it was timed). --profile adds each row's
+CUDA kernels and their ms per fwd+bwd (torch.profiler over eager calls) to the output and the JSON.
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
 * grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm).
 * megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
@@ -54,7 +55,7 @@ from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
 from moe_shapes import add_moe_dims  # noqa: E402
-from op_timing import graph_ms  # noqa: E402
+from op_timing import graph_ms, kernel_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CHECK_LIMIT = 2e-2
@@ -245,6 +246,8 @@ def main(argv=None):
     ap.add_argument("--cuda-graph", action="store_true",
                     help="time each row as CUDA-graph replays (GPU time only; rows that cannot be captured, "
                          "such as the loop's host syncs, fall back to do_bench)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also list each row's CUDA kernels with their ms per fwd+bwd (torch.profiler, eager)")
     ap.add_argument("--json", default="moe_bench.json")
     args = ap.parse_args(argv)
     impls = args.impls.split(",")
@@ -268,6 +271,15 @@ def main(argv=None):
         rows.append(dict(routing=routing, impl=impl, ms=ms, TFLOPs=flops / ms / 1e9,
                          of_dense=rows[0]["ms"] / ms if rows else 1.0, timed_by=how, **extra))
         print(f"[{routing}] {impl}: {ms:.3f} ms ({how})", flush=True)
+        if args.profile and dev.type == "cuda":
+            def step():  # fresh .grad each call: no accumulation kernels in the list
+                for t in leaves:
+                    t.grad = None
+                torch.autograd.backward(fn(), dout)
+            rows[-1]["kernels"] = kernels = kernel_ms(step)
+            print(f"  kernels, ms per fwd+bwd (sum {sum(kernels.values()):.3f}):")
+            for name, kms in kernels.items():
+                print(f"  {kms:8.4f}  {name}")
 
     routed = routed_experts(E, k, ell, I).to(dev, dt)
     dispatcher = LocalTokenDispatcher(E)

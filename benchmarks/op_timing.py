@@ -6,6 +6,7 @@ convention); on CPU ``warmup`` untimed calls, then the median of ``rep`` timed o
 ``graph_ms``: the median of replays of ``fn`` captured in a CUDA graph: GPU time alone, without the host's
 autograd and launch overhead that ``do_bench`` includes once the host, not the GPU, sets the pace.
 ``held_mib``: what autograd keeps alive after one forward, beyond the output itself (CUDA only).
+``kernel_ms``: each CUDA kernel's time per call of ``fn`` (torch.profiler), to see where a row's time goes.
 """
 
 from __future__ import annotations
@@ -54,3 +55,26 @@ def held_mib(forward: Callable[[], torch.Tensor], device: str) -> float | None:
     held = (torch.cuda.memory_allocated() - before - out.numel() * out.element_size()) / 2**20
     del out
     return held
+
+
+def kernel_ms(fn: Callable[[], object], iters: int = 5, name_chars: int = 80) -> dict[str, float]:
+    """{kernel name: GPU ms per call of fn}, largest first, from torch.profiler over ``iters`` calls
+    after two untimed ones. Eager launches, so the sum can exceed a CUDA-graph replay's time only by
+    gaps, not by host overhead (the profiler times kernels on the device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t > 0:
+            out[e.key[:name_chars]] = out.get(e.key[:name_chars], 0.0) + t / 1e3 / iters
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

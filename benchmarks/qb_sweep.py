@@ -15,7 +15,9 @@ step's loss and per-layer loads. docs/moe_notes.md §3 has the figures.
 ``--oracle`` also records, per step and layer, the load a bias *fitted on the step's own forward
 scores* would give (10 exact Quantile Balancing iterations on those scores: not causal, so not a
 method, but the floor any per-expert bias can reach on that step; repeated, near-identical tokens
-keep it above 1), and the same per micro-batch next to the load the run's bias gave it. It works in
+keep it above 1), and the same per micro-batch next to the load the run's bias gave it; and the load
+of the step's second half of micro-batches under a bias fitted on its first half (same weights, no
+lag: what the sampling of windows alone leaves a causal bias, at half the step). It works in
 compiled layers too (``train.compile=true``: a graph break per MoE layer, where it runs eagerly);
 ``--oracle-every N`` records it on every N-th step only (its 10 fits over a step's scores take a
 while at bench scale).
@@ -51,15 +53,25 @@ def _max_over_mean(counts: torch.Tensor) -> torch.Tensor:
     return counts.max() / counts.mean()
 
 
-def fitted_load(scores: torch.Tensor, top_k: int, bias: torch.Tensor, iters: int = 10) -> torch.Tensor:
-    """Load max/mean of scores [N, E] routed with a bias fitted on these very scores: ``iters``
-    exact Quantile Balancing updates from ``bias`` (b ← q-quantile of α(b) − s, centred)."""
+def fitted_bias(scores: torch.Tensor, top_k: int, bias: torch.Tensor, iters: int = 10) -> torch.Tensor:
+    """A bias fitted on scores [N, E]: ``iters`` exact Quantile Balancing updates from ``bias``
+    (b ← q-quantile of α(b) − s, centred)."""
     b = bias.clone()
     for _ in range(iters):
         alpha = (scores + b).topk(top_k + 1, dim=-1).values[:, top_k]
         b = exact_bias(alpha[:, None] - scores, top_k)
-    chosen = (scores + b).topk(top_k, dim=-1).indices.flatten()
+    return b
+
+
+def routed_load(scores: torch.Tensor, top_k: int, bias: torch.Tensor) -> torch.Tensor:
+    """Load max/mean of scores [N, E] routed top-k on scores + bias."""
+    chosen = (scores + bias).topk(top_k, dim=-1).indices.flatten()
     return _max_over_mean(torch.bincount(chosen, minlength=scores.shape[1]))
+
+
+def fitted_load(scores: torch.Tensor, top_k: int, bias: torch.Tensor, iters: int = 10) -> torch.Tensor:
+    """Load max/mean of scores [N, E] routed with a bias fitted on these very scores."""
+    return routed_load(scores, top_k, fitted_bias(scores, top_k, bias, iters))
 
 
 class OracleRecorder:
@@ -81,9 +93,7 @@ class OracleRecorder:
             if self.active and not self._in_update:
                 k = balancer.top_k
                 scores = scores.detach().clone()
-                chosen = (scores + bias).topk(k, dim=-1).indices.flatten()
-                actual = _max_over_mean(torch.bincount(chosen, minlength=scores.shape[1]))
-                self.micro.append(torch.stack([actual, fitted_load(scores, k, bias)]))
+                self.micro.append(torch.stack([routed_load(scores, k, bias), fitted_load(scores, k, bias)]))
                 self.scores.append(scores)
             return type(balancer).observe(balancer, scores, cutoff, bias)
 
@@ -98,15 +108,22 @@ class OracleRecorder:
         self.layer = layer
 
     def pop(self) -> dict | None:
-        """This step's pooled fitted load and the per-micro-batch [actual, fitted] pairs (None when
-        nothing was recorded)."""
+        """This step's pooled fitted load, the per-micro-batch [actual, fitted] pairs and, with two or
+        more micro-batches, [held-out, fitted] for the step's second half: its load under a bias fitted
+        on the first half (same weights, so no lag: what sampling alone leaves a causal bias) next to
+        its own fitted floor. None when nothing was recorded."""
         if not self.scores:
             return None
-        pooled = fitted_load(torch.cat(self.scores), self.layer.balancer.top_k,
-                             self.layer.gate.e_score_correction_bias)
-        micro = torch.stack(self.micro).tolist()
+        k, bias = self.layer.balancer.top_k, self.layer.gate.e_score_correction_bias
+        out = {"pooled": round(float(fitted_load(torch.cat(self.scores), k, bias)), 4),
+               "micro": [[round(a, 4), round(f, 4)] for a, f in torch.stack(self.micro).tolist()]}
+        half = len(self.scores) // 2
+        if half:
+            first, second = torch.cat(self.scores[:half]), torch.cat(self.scores[half:])
+            out["held_out"] = [round(float(routed_load(second, k, fitted_bias(first, k, bias))), 4),
+                               round(float(fitted_load(second, k, bias)), 4)]
         self.scores, self.micro = [], []
-        return {"pooled": round(float(pooled), 4), "micro": [[round(a, 4), round(f, 4)] for a, f in micro]}
+        return out
 
 
 def run_variant(overrides: list[str], steps: int, out_dir: str, oracle: bool = False,
@@ -129,6 +146,8 @@ def run_variant(overrides: list[str], steps: int, out_dir: str, oracle: bool = F
             if fitted and all(fitted):
                 rows[-1]["fitted_load_per_layer"] = [f["pooled"] for f in fitted]
                 rows[-1]["micro_batch_load_actual_fitted"] = [f["micro"] for f in fitted]
+                if all("held_out" in f for f in fitted):
+                    rows[-1]["second_half_load_held_out_fitted"] = [f["held_out"] for f in fitted]
             on_step(rows)
     finally:
         trainer.lock.release()
@@ -164,6 +183,9 @@ def main(argv=None) -> None:
                 json.dump(results, fh)
             r = rows[-1]
             fitted = f", fitted {max(r['fitted_load_per_layer']):.2f}" if "fitted_load_per_layer" in r else ""
+            if "second_half_load_held_out_fitted" in r:
+                held, own = zip(*r["second_half_load_held_out_fitted"])
+                fitted += f"; second half held out {max(held):.2f}, fitted {max(own):.2f}"
             print(f"{tag} step {r['step']}: loss {r['loss']:.4f}, {1e3 * r['step_time_s']:.0f} ms, worst layer's "
                   f"load {max(r['expert_load_per_layer']):.2f}{fitted}", flush=True)
 

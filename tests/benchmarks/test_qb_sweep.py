@@ -33,6 +33,8 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
             assert len(r["fitted_load_per_layer"]) == 8 and min(r["fitted_load_per_layer"]) >= 1.0
             assert all(len(layer) == 2 and all(len(p) == 2 for p in layer)
                        for layer in r["micro_batch_load_actual_fitted"])
+            # the second micro-batch under a bias fitted on the first, next to its own fitted floor
+            assert all(held >= own >= 1.0 for held, own in r["second_half_load_held_out_fitted"])
     assert res["within"]["rows"][0] != res["published"]["rows"][0]  # a within-step update changes step 1
     table = capsys.readouterr().out
     assert "published" in table and "within" in table and "fitted worst" in table
@@ -89,6 +91,20 @@ def test_fitted_load_balances_what_a_bias_can_split():
     assert float(qb_sweep.fitted_load(scores, k, zero)) < 1.05
     same = scores[:1].expand(N, E).clone()
     assert float(qb_sweep.fitted_load(same, k, zero)) == E / k
+
+
+def test_a_bias_fitted_on_one_half_holds_on_a_like_half_not_on_another():
+    """The held-out load: a bias fitted on half of one score population balances the other half
+    (sampling alone costs little at this size); fitted on a population with other expert
+    preferences, it does not."""
+    g = torch.Generator().manual_seed(0)
+    N, E, k = 8192, 16, 2
+    scores = torch.rand(N, E, generator=g) * 0.3 + torch.linspace(0.0, 0.5, E)
+    zero = torch.zeros(E)
+    b = qb_sweep.fitted_bias(scores[: N // 2], k, zero)
+    assert float(qb_sweep.routed_load(scores[N // 2:], k, b)) < 1.1
+    other = torch.rand(N // 2, E, generator=g) * 0.3 + torch.linspace(0.5, 0.0, E)
+    assert float(qb_sweep.routed_load(other, k, b)) > 2.0
 
 
 def test_sweep_refuses_a_bad_variant_by_its_field(tmp_path, one_rank):
