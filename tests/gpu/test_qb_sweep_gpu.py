@@ -43,6 +43,9 @@ def test_oracle_keeps_each_micro_batchs_scores_under_cuda_graphs():
             for rec in recorders[model]:
                 rec.pop()
             for tokens in batches:
+                # no .grad kept across micro-batches: under CUDA graphs a parameter's .grad is the backward
+                # graph's output, which the next replay overwrites (the trainer moves grads to its buffers)
+                model.zero_grad(set_to_none=True)
                 if model is compiled:
                     begin_forward("reduce-overhead")
                 with torch.autocast("cuda", dtype=torch.bfloat16):
