@@ -8,7 +8,11 @@ combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference),
 GEMMs, the fused SiTU-GLU and Quantile Balancing's histogram update (forward only); medians, ms.
 ``--permute-tiles 4096x4 16384x8 …`` also times the Triton gather and combine at each tile (elements of a
 program's [tokens, k, columns] tile × warps), and ``--situ-tiles 2048x4 …`` the SiTU-GLU kernels at each
-tile (elements of a program's tile × warps).
+tile (elements of a program's tile × warps). ``--gemm-products`` times each of the six GEMM products of
+the two grouped layers alone (forward, dgrad, wgrad of W13 and W2) next to one dense cuBLAS product of the
+same shape and FLOPs, in TFLOP/s; the forward and dgrad ones also as ``torch._grouped_mm`` over output
+slices of at most 128 columns, where torch 2.11 picks its other CUTLASS schedule (ping-pong 64×128×128
+tiles instead of cooperative 128×256×64; the slices read A once each).
 Each piece is captured in a CUDA graph and its replays timed (``triton.testing.do_bench_cudagraph``), so
 the figure is GPU time without the host's autograd and launch overhead, which ``do_bench`` alone adds to
 pieces this small; a piece that cannot be captured (one that reads back to the host, e.g.
@@ -31,6 +35,8 @@ from k3train.config.schema import ModelConfig  # noqa: E402
 from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher, counts_of_sorted, stable_sort  # noqa: E402
+from kernels.grouped_wgrad import grouped_wgrad  # noqa: E402
+from kernels.grouped_wgrad import reference as wgrad_reference  # noqa: E402
 from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # noqa: E402
 from kernels.qb_histogram import histogram_add  # noqa: E402
 from kernels.qb_histogram import reference as qb_reference  # noqa: E402
@@ -61,6 +67,46 @@ def qb_histogram(N: int, E: int, bins: int = 1000) -> dict[str, tuple[float, str
             "QB histogram (torch, compiled)": gpu_ms(lambda: compiled(counts, scores, cutoff, lo, width), graph=False)}
 
 
+def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> list[dict]:
+    """Each GEMM product of W13 [E, 2I, ℓ] and W2 [E, ℓ, I] on M = offsets[-1] grouped rows, alone: as the
+    layers run it (``torch._grouped_mm``, or our wgrad kernel), as ≤ 128-column output slices (forward and
+    dgrad), and as one dense ``torch.mm`` of the same [M, K] × [K, N] (cuBLAS); rows of ms and TFLOP/s.
+    The sliced result is checked against the whole one."""
+    M = int(offsets[-1])
+    (E, two_i, ell), I = w13.shape, w2.shape[2]
+    gen = torch.Generator(device=w13.device).manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, device=w13.device, dtype=w13.dtype, generator=gen)  # noqa: E731
+    x, h, d_gu, dy = rand(M, ell), rand(M, I), rand(M, two_i), rand(M, ell)
+    # name: (A [M, K], B [E, K, N]) for out = A_e @ B_e
+    grouped = {"W13 forward": (x, w13.transpose(1, 2)), "W2 forward": (h, w2.transpose(1, 2)),
+               "W13 dgrad": (d_gu, w13), "W2 dgrad": (dy, w2)}
+    rows = []
+
+    def row(product, how, fn, m, k, n):
+        ms, timed_by = gpu_ms(fn)
+        rows.append(dict(product=product, how=how, M=m, K=k, N=n, ms=ms, TFLOPs=2 * m * k * n / ms / 1e9,
+                         timed_by=timed_by))
+
+    for name, (a, b) in grouped.items():
+        K, N = b.shape[1], b.shape[2]
+        slices = [b[..., j:j + 128] for j in range(0, N, 128)]
+        whole = torch._grouped_mm(a, b, offs=offsets)
+        sliced = torch.cat([torch._grouped_mm(a, part, offs=offsets) for part in slices], dim=1)
+        assert torch.equal(whole, sliced) or (whole - sliced).abs().max() <= 1e-2 * whole.abs().max(), name
+        row(name, "torch._grouped_mm", lambda: torch._grouped_mm(a, b, offs=offsets), M, K, N)
+        row(name, "grouped, 128-col slices", lambda: [torch._grouped_mm(a, part, offs=offsets) for part in slices],
+            M, K, N)
+        dense_b = b[0].contiguous() if b[0].stride(-1) == 1 else b[0].t().contiguous().t()  # b's layout
+        row(name, "dense torch.mm", lambda: a @ dense_b, M, K, N)
+    for name, (g, inp) in {"W13 wgrad": (d_gu, x), "W2 wgrad": (dy, h)}.items():
+        O, C = g.shape[1], inp.shape[1]
+        # [O, M] x [M, C]: the rows are the reduction dimension here
+        row(name, "kernels.grouped_wgrad", lambda: grouped_wgrad(g, inp, offsets), O, M, C)
+        row(name, "aten (autograd's)", lambda: wgrad_reference.grouped_wgrad_aten(g, inp, offsets), O, M, C)
+        row(name, "dense torch.mm", lambda: g.t() @ inp, O, M, C)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_moe_dims(ap, tokens=16384)
@@ -68,6 +114,8 @@ def main() -> None:
                     help="also time the Triton gather and combine at these tiles")
     ap.add_argument("--situ-tiles", nargs="*", default=[], metavar="ELEMSxWARPS",
                     help="also time the Triton SiTU-GLU at these tiles")
+    ap.add_argument("--gemm-products", action="store_true",
+                    help="also time each grouped GEMM product against a dense one of the same shape")
     ap.add_argument("--json", default="moe_components.json")
     args = ap.parse_args()
     E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
@@ -123,13 +171,20 @@ def main() -> None:
                 times[f"{name} {tile}"] = timed()
         setattr(module, elems_name, default_tile[0])
         module.GPU_NUM_WARPS = default_tile[1]
+    products = gemm_products(experts.w13.detach(), experts.w2.detach(), offsets) if args.gemm_products else []
     print(f"{torch.cuda.get_device_name()}, bf16, E={E} k={k} ℓ={ell} I={I} N={N}, fwd+bwd")
     for name, (ms, how) in times.items():
         print(f"{name:>24} {ms:8.3f} ms{'' if how == 'cuda graph' else ' *'}")
+    if products:
+        print(f"\n{'GEMM product':<12}{'how':<26}{'M x K x N':>20}{'ms':>9}{'TFLOP/s':>9}  (forward only)")
+        for r in products:
+            print(f"{r['product']:<12}{r['how']:<26}{r['M']:>8}x{r['K']}x{r['N']:<6}{r['ms']:9.4f}{r['TFLOPs']:9.1f}"
+                  f"{'' if r['timed_by'] == 'cuda graph' else ' *'}")
     with open(args.json, "w") as fh:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, experts=E, topk=k, latent=ell,
                        width=I, tokens=N, ms={name: ms for name, (ms, _) in times.items()},
-                       timed_by={name: how for name, (_, how) in times.items()}), fh, indent=1)
+                       timed_by={name: how for name, (_, how) in times.items()}, gemm_products=products), fh,
+                  indent=1)
 
 
 if __name__ == "__main__":
