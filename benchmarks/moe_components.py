@@ -12,7 +12,9 @@ tile (elements of a program's tile × warps). ``--gemm-products`` times each of 
 the two grouped layers alone (forward, dgrad, wgrad of W13 and W2) next to one dense cuBLAS product of the
 same shape and FLOPs, in TFLOP/s; the forward and dgrad ones also as ``torch._grouped_mm`` over output
 slices of at most 128 columns, where torch 2.11 picks its other CUTLASS schedule (ping-pong 64×128×128
-tiles instead of cooperative 128×256×64; the slices read A once each).
+tiles instead of cooperative 128×256×64; the slices read A once each), and, where its library is built
+(``python -m kernels.grouped_gemm_sm90.build``), through ``kernels.grouped_gemm_sm90`` in each of its
+CUTLASS configurations (checked against ``torch._grouped_mm`` first).
 Each piece is captured in a CUDA graph and its replays timed (``triton.testing.do_bench_cudagraph``), so
 the figure is GPU time without the host's autograd and launch overhead, which ``do_bench`` alone adds to
 pieces this small; a piece that cannot be captured (one that reads back to the host, e.g.
@@ -35,6 +37,7 @@ from k3train.config.schema import ModelConfig  # noqa: E402
 from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher, counts_of_sorted, stable_sort  # noqa: E402
+from kernels import grouped_gemm_sm90  # noqa: E402
 from kernels.grouped_wgrad import grouped_wgrad  # noqa: E402
 from kernels.grouped_wgrad import reference as wgrad_reference  # noqa: E402
 from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # noqa: E402
@@ -98,6 +101,11 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
             M, K, N)
         dense_b = b[0].contiguous() if b[0].stride(-1) == 1 else b[0].t().contiguous().t()  # b's layout
         row(name, "dense torch.mm", lambda: a @ dense_b, M, K, N)
+        for i, config in enumerate(grouped_gemm_sm90.CONFIGS if grouped_gemm_sm90.available() else ()):
+            ours = grouped_gemm_sm90.grouped_mm(a, b, offsets, i)
+            err = float((ours.float() - whole.float()).abs().max() / whole.float().abs().max())
+            assert err <= 1e-2, f"{name}, CUTLASS {config.name}: {err:.2g} from torch._grouped_mm"
+            row(name, f"CUTLASS {config.name}", lambda: grouped_gemm_sm90.grouped_mm(a, b, offsets, i), M, K, N)
     for name, (g, inp) in {"W13 wgrad": (d_gu, x), "W2 wgrad": (dy, h)}.items():
         O, C = g.shape[1], inp.shape[1]
         # [O, M] x [M, C]: the rows are the reduction dimension here
@@ -176,9 +184,9 @@ def main() -> None:
     for name, (ms, how) in times.items():
         print(f"{name:>24} {ms:8.3f} ms{'' if how == 'cuda graph' else ' *'}")
     if products:
-        print(f"\n{'GEMM product':<12}{'how':<26}{'M x K x N':>20}{'ms':>9}{'TFLOP/s':>9}  (forward only)")
+        print(f"\n{'GEMM product':<12}{'how':<34}{'M x K x N':>20}{'ms':>9}{'TFLOP/s':>9}  (forward only)")
         for r in products:
-            print(f"{r['product']:<12}{r['how']:<26}{r['M']:>8}x{r['K']}x{r['N']:<6}{r['ms']:9.4f}{r['TFLOPs']:9.1f}"
+            print(f"{r['product']:<12}{r['how']:<34}{r['M']:>8}x{r['K']}x{r['N']:<6}{r['ms']:9.4f}{r['TFLOPs']:9.1f}"
                   f"{'' if r['timed_by'] == 'cuda graph' else ' *'}")
     with open(args.json, "w") as fh:
         json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, experts=E, topk=k, latent=ell,

@@ -1,0 +1,127 @@
+"""Grouped bf16 GEMM on Hopper with a chosen CUTLASS schedule (``grouped_gemm.cu``): what
+``torch._grouped_mm(a, b, offs=offsets)`` computes, with the kernel configuration as an argument.
+
+    out = grouped_mm(a, b, offsets, config=0)
+    a [M, K] bf16 contiguous; b [G, K, N] bf16, each b[g] packed either way: k-major (a transposed view of a
+    [G, N, K] weight, as the experts' forward passes W13 and W2) or n-major (a [G, K, N] contiguous tensor, as
+    their dgrad passes the weights); offsets [G] int32 cumulative row counts on the GPU → out [M, N] bf16,
+    out[rows of g] = a[rows of g] @ b[g].
+
+torch 2.11 builds one CUTLASS pointer-array kernel for this with its configuration fixed by the group sizes
+(cooperative 128×256×64 tiles in 2×1 clusters at the experts' sizes); ``CONFIGS`` here are the ones
+``grouped_gemm.cu`` instantiates, to measure which suits K = 256–512 (``benchmarks/moe_components.py
+--gemm-products``). Experimental: not on the model's path.
+
+The library is built ahead with nvcc and CUTLASS's headers (``python -m kernels.grouped_gemm_sm90.build``;
+sm_90a code, so the build needs no GPU) and found at ``$K3_GROUPED_GEMM_LIB`` or ``LIB_DEFAULT``. The call
+launches on torch's current stream through ctypes; the per-group arrays and CUTLASS's workspace are torch
+allocations, so nothing synchronises and the call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+LIB_DEFAULT = Path(os.environ.get("K3TRAIN_CACHE", Path.home() / ".cache" / "k3train")) / "grouped_gemm_sm90" / \
+    "libk3gg.so"
+
+
+class Config(NamedTuple):
+    """A kernel configuration: schedule, CTA tile (M × N × K) and CTAs a cluster along M."""
+    ping_pong: bool
+    tile: tuple[int, int, int]
+    cluster_m: int
+
+    @property
+    def name(self) -> str:
+        m, n, k = self.tile
+        return f"{'ping-pong' if self.ping_pong else 'cooperative'} {m}x{n}x{k} c{self.cluster_m}"
+
+
+# In grouped_gemm.cu's order (its K3_CONFIGS); 3 is what torch 2.11 runs at the experts' sizes.
+CONFIGS = (Config(True, (128, 128, 64), 1), Config(True, (64, 256, 64), 1), Config(True, (64, 128, 128), 2),
+           Config(False, (128, 256, 64), 2), Config(False, (128, 128, 64), 1))
+_STEPS = {1: "describing the groups", 2: "workspace too small", 3: "CUTLASS can_implement",
+          4: "CUTLASS initialize", 5: "CUTLASS run", 6: "a launch error", -1: "unknown configuration"}
+
+_lib = None
+
+
+def library_path() -> Path:
+    return Path(os.environ.get("K3_GROUPED_GEMM_LIB", LIB_DEFAULT))
+
+
+def available() -> bool:
+    """The library is built and a Hopper GPU is there."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and library_path().is_file()
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        path = library_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is not built: python -m kernels.grouped_gemm_sm90.build --out {path} "
+                                    f"(or set K3_GROUPED_GEMM_LIB)")
+        lib = ctypes.CDLL(str(path))
+        size_t, i32, i64, ptr = ctypes.c_size_t, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.k3gg_num_configs.restype = i32
+        lib.k3gg_array_bytes.argtypes, lib.k3gg_array_bytes.restype = [i32, i32, i32], size_t
+        lib.k3gg_workspace_bytes.argtypes, lib.k3gg_workspace_bytes.restype = [i32, i32, i32, i32], size_t
+        lib.k3gg_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i64, ptr, ptr, size_t, i32, ptr]
+        lib.k3gg_run.restype = i32
+        if lib.k3gg_num_configs() != len(CONFIGS):
+            raise RuntimeError(f"{path} holds {lib.k3gg_num_configs()} configurations, this module lists "
+                               f"{len(CONFIGS)}: rebuild it")
+        _lib = lib
+    return _lib
+
+
+def b_layout(b: torch.Tensor) -> str:
+    """"k-major" (b[g] is a transposed packed [N, K]) or "n-major" (b[g] a packed [K, N]); ValueError else."""
+    if b.dim() != 3:
+        raise ValueError(f"b must be [G, K, N], got {tuple(b.shape)}")
+    _, K, N = b.shape
+    if b.stride(1) == 1 and b.stride(2) == K:
+        return "k-major"
+    if b.stride(2) == 1 and b.stride(1) == N:
+        return "n-major"
+    raise ValueError(f"each b[g] must be a packed [K, N] or a transposed packed [N, K]; got strides {b.stride()} "
+                     f"for shape {tuple(b.shape)}")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
+    """out[rows of g] = a[rows of g] @ b[g] (module docstring), with ``CONFIGS[config]``."""
+    layout = b_layout(b)
+    G, K, N = b.shape
+    if a.dim() != 2 or a.shape[1] != K or not a.is_contiguous():
+        raise ValueError(f"a must be a contiguous [M, {K}], got {tuple(a.shape)} with strides {a.stride()}")
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise ValueError(f"a and b must be bf16, got {a.dtype} and {b.dtype}")
+    if offsets.shape != (G,) or offsets.dtype != torch.int32 or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be a contiguous int32 [{G}], got {offsets.dtype} {tuple(offsets.shape)}")
+    if not (a.is_cuda and b.is_cuda and offsets.is_cuda and a.device == b.device == offsets.device):
+        raise ValueError("a, b and offsets must be on one CUDA device")
+    if not 0 <= config < len(CONFIGS):
+        raise ValueError(f"config {config}: choose 0..{len(CONFIGS) - 1} ({[c.name for c in CONFIGS]})")
+    lib = _load()
+    if a.shape[0] == 0:
+        return a.new_empty(0, N)
+    k_major = int(layout == "k-major")
+    sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
+    out = a.new_empty(a.shape[0], N)
+    arrays = torch.empty(lib.k3gg_array_bytes(config, k_major, G), dtype=torch.uint8, device=a.device)
+    ws_bytes = lib.k3gg_workspace_bytes(config, k_major, G, sm_count)
+    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=a.device)
+    status = lib.k3gg_run(config, k_major, a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(), G, N, K,
+                          b.stride(0), arrays.data_ptr(), workspace.data_ptr(), ws_bytes, sm_count,
+                          torch.cuda.current_stream(a.device).cuda_stream)
+    if status:
+        raise RuntimeError(f"grouped GEMM {CONFIGS[config].name}, {layout} b, G={G} K={K} N={N}: failed at "
+                           f"{_STEPS.get(status, status)}")
+    return out

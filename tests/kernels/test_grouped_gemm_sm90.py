@@ -1,0 +1,56 @@
+"""kernels.grouped_gemm_sm90: every CUTLASS configuration against ``torch._grouped_mm`` on uneven groups (GPU,
+with the library built), and on CPU what can be checked without one: B layouts, argument errors, and that
+the module's configuration list is the library source's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import grouped_gemm_sm90 as gg
+
+
+def test_config_list_matches_the_library_source():
+    source = (Path(gg.__file__).with_name("grouped_gemm.cu")).read_text()
+    rows = re.findall(r"^\s*X\((\d+), (true|false), (\d+), (\d+), (\d+), (\d+)\)", source, re.M)
+    assert [int(r[0]) for r in rows] == list(range(len(gg.CONFIGS)))
+    assert [gg.Config(r[1] == "true", (int(r[2]), int(r[3]), int(r[4])), int(r[5])) for r in rows] == list(gg.CONFIGS)
+
+
+def test_b_layouts_and_errors():
+    w = torch.empty(4, 64, 32)  # [G, N, K] weight
+    assert gg.b_layout(w.transpose(1, 2)) == "k-major"  # as the forward passes it: [G, K, N] view
+    assert gg.b_layout(torch.empty(4, 32, 64)) == "n-major"
+    with pytest.raises(ValueError, match="packed"):
+        gg.b_layout(torch.empty(4, 32, 128)[..., :64])
+    with pytest.raises(ValueError, match=r"\[G, K, N\]"):
+        gg.b_layout(torch.empty(32, 64))
+    with pytest.raises(ValueError, match="bf16"):
+        gg.grouped_mm(torch.empty(8, 32), w.transpose(1, 2), torch.tensor([2, 4, 6, 8], dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gg.available(), reason="needs an sm_90 GPU and the built library (kernels.grouped_gemm_sm90.build)")
+@pytest.mark.parametrize("config", range(len(gg.CONFIGS)))
+@pytest.mark.parametrize("layout", ["k-major", "n-major"])
+def test_matches_torch_grouped_mm(config, layout):
+    """Random bf16 operands, 16 groups of 0-700 rows (two empty, one not a multiple of any tile); the products
+    of the experts' forward (k-major) and dgrad (n-major) shapes. Same fp32 accumulation, so the results agree
+    to bf16 rounding."""
+    g = torch.Generator().manual_seed(config)
+    counts = torch.randint(0, 700, (16,), generator=g)
+    counts[[3, 9]] = 0
+    counts[5] = 333
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    M, K, N = int(counts.sum()), 512, 256
+    a = torch.randn(M, K, generator=g).cuda().bfloat16()
+    w = torch.randn(16, N, K, generator=g).cuda().bfloat16()
+    b = w.transpose(1, 2) if layout == "k-major" else torch.randn(16, K, N, generator=g).cuda().bfloat16()
+    want = torch._grouped_mm(a, b, offs=offsets)
+    got = gg.grouped_mm(a, b, offsets, config)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    empty = got.new_zeros(0, N)  # an empty group writes nothing and reads nothing
+    assert torch.equal(gg.grouped_mm(a[:0], b, torch.zeros(16, dtype=torch.int32, device="cuda"), config), empty)
