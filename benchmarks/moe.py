@@ -16,7 +16,8 @@ replays captured in a CUDA graph (GPU time without the host's autograd and launc
 train.compile_mode=reduce-overhead; each row's JSON says how it was timed). --profile adds each row's
 CUDA kernels and their ms per fwd+bwd (torch.profiler over eager calls) to the output and the JSON.
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
-* grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm).
+* grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm); with
+  ``--grouped-gemms torch,cutlass:0,...`` one such row per grouped GEMM (``RoutedExperts.grouped_gemm``).
 * megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
   unfused path): TEGroupedMLP where Transformer Engine imports, else GroupedMLP where the
   ``grouped_gemm`` package imports, else SequentialMLP (a ColumnParallelLinear/RowParallelLinear
@@ -49,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # op_timing, moe
 
 from k3train.config.schema import ModelConfig, ParallelConfig  # noqa: E402
 from k3train.model.mlp import situ_glu  # noqa: E402
-from k3train.model.moe import RoutedExperts  # noqa: E402
+from k3train.model.moe import GROUPED_GEMMS, RoutedExperts  # noqa: E402
 from k3train.model.router import SigmoidRouter  # noqa: E402
 from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
@@ -61,6 +62,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CHECK_LIMIT = 2e-2
 IMPLS = {"loop", "grouped", "megatron"}
 SWIGLU_BETA = 1e6  # SiTU(a, c) -> silu(a) * c as beta, beta_lin -> infinity
+
+
+def grouped_name(gemm: str) -> str:
+    """The grouped row's impl name: "grouped" on torch's grouped GEMM, "grouped cutlass:<i>" on another."""
+    return "grouped" if gemm == "torch" else f"grouped {gemm}"
 
 
 def failure(e: Exception) -> str:
@@ -246,6 +252,9 @@ def main(argv=None):
     ap.add_argument("--cuda-graph", action="store_true",
                     help="time each row as CUDA-graph replays (GPU time only; rows that cannot be captured, "
                          "such as the loop's host syncs, fall back to do_bench)")
+    ap.add_argument("--grouped-gemms", default="torch",
+                    help=f"grouped rows, one per grouped GEMM, comma-separated from {GROUPED_GEMMS} (cutlass:<i>: "
+                         f"kernels.grouped_gemm_sm90's configuration i, experimental)")
     ap.add_argument("--profile", action="store_true",
                     help="also list each row's CUDA kernels with their ms per fwd+bwd (torch.profiler, eager)")
     ap.add_argument("--json", default="moe_bench.json")
@@ -253,6 +262,9 @@ def main(argv=None):
     impls = args.impls.split(",")
     if unknown := set(impls) - IMPLS:
         ap.error(f"--impls: unknown {sorted(unknown)}; choose from {sorted(IMPLS)}")
+    gemms = args.grouped_gemms.split(",")
+    if unknown := set(gemms) - set(GROUPED_GEMMS):
+        ap.error(f"--grouped-gemms: unknown {sorted(unknown)}; choose from {GROUPED_GEMMS}")
     E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
     M, dt = N * k, DTYPES[args.dtype]
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -312,10 +324,13 @@ def main(argv=None):
                 xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts)
                 return dispatcher.combine(routed(xg, tokens_per_expert), w, handle)
 
-            checks[kind] = {"grouped": compare(out_and_grads(grouped, leaves, dout),
-                                               out_and_grads(loop, leaves, dout))}
-            print(f"check {kind} grouped vs loop: {checks[kind]['grouped']}", flush=True)
-            assert max(checks[kind]["grouped"].values()) <= CHECK_LIMIT, checks[kind]
+            reference = out_and_grads(loop, leaves, dout)
+            checks[kind] = {}
+            for gemm in gemms:
+                routed.grouped_gemm = gemm
+                checks[kind][grouped_name(gemm)] = err = compare(out_and_grads(grouped, leaves, dout), reference)
+                print(f"check {kind} {grouped_name(gemm)} vs loop: {err}", flush=True)
+                assert max(err.values()) <= CHECK_LIMIT, checks[kind]
             megatron, reason = None, info["megatron"].get("error")
             if mcore is not None:
                 try:
@@ -330,7 +345,10 @@ def main(argv=None):
                     reason = failure(e)
             if "loop" in impls:
                 timed(kind, "loop", loop, leaves, dout)
-            timed(kind, "grouped", grouped, leaves, dout)
+            for gemm in gemms:
+                routed.grouped_gemm = gemm
+                timed(kind, grouped_name(gemm), grouped, leaves, dout)
+            routed.grouped_gemm = "torch"
             if "megatron" not in impls:
                 pass
             elif megatron is None:

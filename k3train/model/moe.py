@@ -29,39 +29,57 @@ from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import token_dispatcher
+from kernels.grouped_gemm_sm90 import CONFIGS as CUTLASS_CONFIGS
 from kernels.grouped_wgrad import grouped_wgrad
 from kernels.situ import situ_glu_packed
 
 
+GROUPED_GEMMS = ("torch", *(f"cutlass:{i}" for i in range(len(CUTLASS_CONFIGS))))  # RoutedExperts.grouped_gemm
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gemm: str) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e] by ``torch._grouped_mm`` or a ``kernels.grouped_gemm_sm90``
+    configuration ("cutlass:<i>")."""
+    if gemm == "torch":
+        return torch._grouped_mm(a, b, offs=offsets)
+    from kernels.grouped_gemm_sm90 import grouped_mm_op
+    return grouped_mm_op(a.contiguous(), b, offsets, int(gemm.split(":")[1]))
+
+
 class _GroupedLinear(torch.autograd.Function):
-    """y = x W_eᵀ per group (``torch._grouped_mm``); dx by ``torch._grouped_mm`` as autograd forms it, dW by
-    ``kernels.grouped_wgrad`` (its Triton kernel on sm_90+, where ``torch._grouped_mm``'s K-grouped
-    GEMM is slow; the same aten product elsewhere)."""
+    """y = x W_eᵀ per group (``torch._grouped_mm`` or the ``gemm`` named); dx by the same grouped GEMM, dW by
+    ``kernels.grouped_wgrad`` (its Triton kernel on sm_90+, where ``torch._grouped_mm``'s K-grouped GEMM is
+    slow; the same aten product elsewhere)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        ctx.gemm = gemm
+        return _grouped_mm(x, w.transpose(-2, -1), offsets, gemm)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, w, offsets = ctx.saved_tensors
-        grad_x = torch._grouped_mm(grad_y, w, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_x = _grouped_mm(grad_y, w, offsets, ctx.gemm) if ctx.needs_input_grad[0] else None
         grad_w = grouped_wgrad(grad_y, x, offsets) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str = "torch") -> torch.Tensor:
     """Rows of x grouped by expert times each expert's weight: one grouped GEMM.
 
     x [M, K] (rows offsets[e-1]:offsets[e] belong to expert e), w [E, O, K], offsets [E] int32
     cumulative row counts → [M, O], row m = x[m] @ w[e(m)]ᵀ. Runs in x.dtype (bf16 under autocast).
     torch's fast path is bf16 on sm_90/sm_100; other dtypes and GPUs take its per-group fallback,
-    which reads the offsets on the host (torch ≥ 2.10), as the CPU path does.
+    which reads the offsets on the host (torch ≥ 2.10), as the CPU path does. ``gemm`` (one of
+    ``GROUPED_GEMMS``): "torch", or "cutlass:<i>" for ``kernels.grouped_gemm_sm90``'s configuration i
+    (experimental: bf16 on sm_90 with its library built; ``benchmarks/moe.py --grouped-gemms``).
     """
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")
-    return _GroupedLinear.apply(x, w.to(x.dtype), offsets)
+    if gemm not in GROUPED_GEMMS:
+        raise ValueError(f"grouped GEMM {gemm!r}: choose one of {GROUPED_GEMMS}")
+    return _GroupedLinear.apply(x, w.to(x.dtype), offsets, gemm)
 
 
 class RoutedExperts(nn.Module):
@@ -71,7 +89,8 @@ class RoutedExperts(nn.Module):
     this rank's E_l = E / parallel.expert experts (global ids ep_rank·E_l …); the full stacks are
     drawn first, so the model is the same at any TP and EP size.
     ``weight_fake_quant`` / ``input_fake_quant``: optional callables applied to every expert
-    weight and GEMM input (quantization-aware training; None means full precision).
+    weight and GEMM input (quantization-aware training; None means full precision). ``grouped_gemm``:
+    which grouped GEMM runs the forward and dgrad products (``grouped_linear``; "torch" unless set).
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPSpec):
@@ -91,6 +110,7 @@ class RoutedExperts(nn.Module):
                            ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=2, ep_partition_dim=0))
         self.weight_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.input_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.grouped_gemm = "torch"  # grouped_linear's gemm (GROUPED_GEMMS)
 
     def _operands(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_fake_quant is not None:
@@ -113,8 +133,9 @@ class RoutedExperts(nn.Module):
             # dispatcher's backward all-to-alls must run on every rank
             return x + 0.0 * (w13.sum() + w2.sum())
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets), self.beta, self.linear_beta)
-        return grouped_linear(*self._operands(h, w2), offsets)
+        h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets, self.grouped_gemm), self.beta,
+                            self.linear_beta)
+        return grouped_linear(*self._operands(h, w2), offsets, self.grouped_gemm)
 
     def forward_looped(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference: z [N, ℓ], experts/weights [N, k] → u [N, ℓ], one GEMM per expert in a Python

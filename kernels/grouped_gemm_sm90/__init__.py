@@ -12,6 +12,8 @@ torch 2.11 builds one CUTLASS pointer-array kernel for this with its configurati
 ``grouped_gemm.cu`` instantiates, to measure which suits K = 256–512 (``benchmarks/moe_components.py
 --gemm-products``). Experimental: not on the model's path.
 
+``grouped_mm_op`` is the same as the custom op ``k3::grouped_mm_sm90`` (with a fake for torch.compile).
+
 The library is built ahead with nvcc and CUTLASS's headers (``python -m kernels.grouped_gemm_sm90.build``;
 sm_90a code, so the build needs no GPU) and found at ``$K3_GROUPED_GEMM_LIB`` or ``LIB_DEFAULT``. The call
 launches on torch's current stream through ctypes; the per-group arrays and CUTLASS's workspace are torch
@@ -125,3 +127,18 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: 
         raise RuntimeError(f"grouped GEMM {CONFIGS[config].name}, {layout} b, G={G} K={K} N={N}: failed at "
                            f"{_STEPS.get(status, status)}")
     return out
+
+
+@torch.library.custom_op("k3::grouped_mm_sm90", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int) -> torch.Tensor:
+    return grouped_mm(a, b, offsets, config)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(a, b, offsets, config):
+    return a.new_empty(a.shape[0], b.shape[2])
+
+
+def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
+    """``grouped_mm`` as the custom op ``k3::grouped_mm_sm90``: what compiled graphs call."""
+    return _grouped_mm_op(a, b, offsets, config)
