@@ -23,7 +23,10 @@ allocations, so nothing synchronises and the call can be captured in a CUDA grap
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
+import re
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -54,6 +57,16 @@ _STEPS = {1: "describing the groups", 2: "workspace too small", 3: "CUTLASS can_
 _lib = None
 
 
+def _preload_cudart(soname: str) -> bool:
+    """Load ``soname`` (e.g. libcudart.so.13) from torch's pip wheels (``nvidia/*/lib/``) globally; False if
+    none is there."""
+    for root in sys.path:
+        for lib in glob.glob(os.path.join(root, "nvidia", "*", "lib", soname)):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            return True
+    return False
+
+
 def library_path() -> Path:
     return Path(os.environ.get("K3_GROUPED_GEMM_LIB", LIB_DEFAULT))
 
@@ -70,7 +83,13 @@ def _load():
         if not path.is_file():
             raise FileNotFoundError(f"{path} is not built: python -m kernels.grouped_gemm_sm90.build --out {path} "
                                     f"(or set K3_GROUPED_GEMM_LIB)")
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as err:  # the CUDA runtime it links is not loaded yet: take the one torch's wheel brings
+            soname = re.search(r"libcudart\.so\.\d+", str(err))
+            if soname is None or not _preload_cudart(soname.group()):
+                raise
+            lib = ctypes.CDLL(str(path))
         size_t, i32, i64, ptr = ctypes.c_size_t, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.k3gg_num_configs.restype = i32
         lib.k3gg_array_bytes.argtypes, lib.k3gg_array_bytes.restype = [i32, i32, i32], size_t

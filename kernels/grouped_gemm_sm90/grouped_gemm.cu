@@ -64,7 +64,8 @@ struct GroupedGemm {
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = typename Problem::UnderlyingProblemShape;
 
-  // The per-group arrays, laid out one after another in the caller's buffer (8-byte aligned pieces).
+  // The per-group arrays, laid out one after another in the caller's buffer, each starting on 16 bytes (the
+  // TMA descriptors CUTLASS builds from the pointer arrays want that alignment).
   struct Arrays {
     const Bf16** a;
     const Bf16** b;
@@ -75,29 +76,28 @@ struct GroupedGemm {
     Shape* shape;
   };
 
+  static constexpr size_t up16(size_t n) { return (n + 15) / 16 * 16; }
+
   static size_t array_bytes(int groups) {
-    auto up8 = [](size_t n) { return (n + 7) / 8 * 8; };
-    return groups * (3 * sizeof(void*)) + up8(groups * sizeof(StrideA)) + up8(groups * sizeof(StrideB)) +
-           up8(groups * sizeof(StrideD)) + up8(groups * sizeof(Shape));
+    return 3 * up16(groups * sizeof(void*)) + up16(groups * sizeof(StrideA)) + up16(groups * sizeof(StrideB)) +
+           up16(groups * sizeof(StrideD)) + up16(groups * sizeof(Shape));
   }
 
   static Arrays carve(void* buf, int groups) {
-    auto up8 = [](size_t n) { return (n + 7) / 8 * 8; };
     char* p = static_cast<char*>(buf);
+    auto take = [&](size_t bytes) {
+      char* here = p;
+      p += up16(bytes);
+      return here;
+    };
     Arrays r;
-    r.a = reinterpret_cast<const Bf16**>(p);
-    p += groups * sizeof(void*);
-    r.b = reinterpret_cast<const Bf16**>(p);
-    p += groups * sizeof(void*);
-    r.d = reinterpret_cast<Bf16**>(p);
-    p += groups * sizeof(void*);
-    r.sa = reinterpret_cast<StrideA*>(p);
-    p += up8(groups * sizeof(StrideA));
-    r.sb = reinterpret_cast<StrideB*>(p);
-    p += up8(groups * sizeof(StrideB));
-    r.sd = reinterpret_cast<StrideD*>(p);
-    p += up8(groups * sizeof(StrideD));
-    r.shape = reinterpret_cast<Shape*>(p);
+    r.a = reinterpret_cast<const Bf16**>(take(groups * sizeof(void*)));
+    r.b = reinterpret_cast<const Bf16**>(take(groups * sizeof(void*)));
+    r.d = reinterpret_cast<Bf16**>(take(groups * sizeof(void*)));
+    r.sa = reinterpret_cast<StrideA*>(take(groups * sizeof(StrideA)));
+    r.sb = reinterpret_cast<StrideB*>(take(groups * sizeof(StrideB)));
+    r.sd = reinterpret_cast<StrideD*>(take(groups * sizeof(StrideD)));
+    r.shape = reinterpret_cast<Shape*>(take(groups * sizeof(Shape)));
     return r;
   }
 
