@@ -112,6 +112,12 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
         row(name, "kernels.grouped_wgrad", lambda: grouped_wgrad(g, inp, offsets), O, M, C)
         row(name, "aten (autograd's)", lambda: wgrad_reference.grouped_wgrad_aten(g, inp, offsets), O, M, C)
         row(name, "dense torch.mm", lambda: g.t() @ inp, O, M, C)
+        want = grouped_wgrad(g, inp, offsets)
+        for i, config in enumerate(grouped_gemm_sm90.CONFIGS if grouped_gemm_sm90.available() else ()):
+            ours = grouped_gemm_sm90.grouped_wgrad(g, inp, offsets, i)
+            err = float((ours.float() - want.float()).abs().max() / want.float().abs().max())
+            assert err <= 1e-2, f"{name}, CUTLASS {config.name}: {err:.2g} from kernels.grouped_wgrad"
+            row(name, f"CUTLASS {config.name}", lambda: grouped_gemm_sm90.grouped_wgrad(g, inp, offsets, i), O, M, C)
     return rows
 
 

@@ -1,11 +1,15 @@
-"""Grouped bf16 GEMM on Hopper with a chosen CUTLASS schedule (``grouped_gemm.cu``): what
-``torch._grouped_mm(a, b, offs=offsets)`` computes, with the kernel configuration as an argument.
+"""Grouped bf16 GEMMs on Hopper with a chosen CUTLASS schedule (``grouped_gemm.cu``): what
+``torch._grouped_mm`` computes for the routed experts, with the kernel configuration as an argument.
 
     out = grouped_mm(a, b, offsets, config=0)
     a [M, K] bf16 contiguous; b [G, K, N] bf16, each b[g] packed either way: k-major (a transposed view of a
     [G, N, K] weight, as the experts' forward passes W13 and W2) or n-major (a [G, K, N] contiguous tensor, as
     their dgrad passes the weights); offsets [G] int32 cumulative row counts on the GPU → out [M, N] bf16,
     out[rows of g] = a[rows of g] @ b[g].
+
+    dw = grouped_wgrad(g, x, offsets, config=0)
+    g [M, O], x [M, C] bf16 contiguous → dw [G, O, C] bf16, dw[e] = g[rows of e]ᵀ x[rows of e] (0 for a group
+    without rows): the weight gradient, as ``kernels.grouped_wgrad``.
 
 torch 2.11 builds one CUTLASS pointer-array kernel for this with its configuration fixed by the group sizes
 (cooperative 128×256×64 tiles in 2×1 clusters at the experts' sizes); ``CONFIGS`` here are the ones
@@ -51,7 +55,8 @@ class Config(NamedTuple):
 # In grouped_gemm.cu's order (its K3_CONFIGS); 3 is what torch 2.11 runs at the experts' sizes.
 CONFIGS = (Config(True, (128, 128, 64), 1), Config(True, (64, 256, 64), 1), Config(True, (64, 128, 128), 2),
            Config(False, (128, 256, 64), 2), Config(False, (128, 128, 64), 1))
-_STEPS = {1: "describing the groups", 2: "workspace too small", 3: "CUTLASS can_implement",
+MODES = {"k-major": 0, "n-major": 1, "wgrad": 2}  # grouped_gemm.cu's modes
+_STEPS = {1: "a launch before the GEMM", 2: "workspace too small", 3: "CUTLASS can_implement",
           4: "CUTLASS initialize", 5: "CUTLASS run", 6: "a launch error", -1: "unknown configuration"}
 
 _lib = None
@@ -94,7 +99,7 @@ def _load():
         lib.k3gg_num_configs.restype = i32
         lib.k3gg_array_bytes.argtypes, lib.k3gg_array_bytes.restype = [i32, i32, i32], size_t
         lib.k3gg_workspace_bytes.argtypes, lib.k3gg_workspace_bytes.restype = [i32, i32, i32, i32], size_t
-        lib.k3gg_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i64, ptr, ptr, size_t, i32, ptr]
+        lib.k3gg_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i64, ptr, ptr, size_t, i32, ptr]
         lib.k3gg_run.restype = i32
         if lib.k3gg_num_configs() != len(CONFIGS):
             raise RuntimeError(f"{path} holds {lib.k3gg_num_configs()} configurations, this module lists "
@@ -116,36 +121,58 @@ def b_layout(b: torch.Tensor) -> str:
                      f"for shape {tuple(b.shape)}")
 
 
+def _check(tensors: dict[str, torch.Tensor], offsets: torch.Tensor, groups: int, config: int) -> None:
+    if any(t.dtype != torch.bfloat16 for t in tensors.values()):
+        raise ValueError(f"{' and '.join(tensors)} must be bf16, got {[t.dtype for t in tensors.values()]}")
+    if offsets.shape != (groups,) or offsets.dtype != torch.int32 or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be a contiguous int32 [{groups}], got {offsets.dtype} {tuple(offsets.shape)}")
+    devices = {t.device for t in (*tensors.values(), offsets)}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"{', '.join(tensors)} and offsets must be on one CUDA device, got {devices}")
+    if not 0 <= config < len(CONFIGS):
+        raise ValueError(f"config {config}: choose 0..{len(CONFIGS) - 1} ({[c.name for c in CONFIGS]})")
+
+
+def _run(config: int, mode: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor,
+         rows_fixed: int, N: int, K: int, b_group_stride: int) -> torch.Tensor:
+    lib = _load()
+    groups, m = offsets.shape[0], MODES[mode]
+    sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
+    arrays = torch.empty(lib.k3gg_array_bytes(config, m, groups), dtype=torch.uint8, device=a.device)
+    ws_bytes = lib.k3gg_workspace_bytes(config, m, groups, sm_count)
+    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=a.device)
+    status = lib.k3gg_run(config, m, a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(), groups,
+                          rows_fixed, N, K, b_group_stride, arrays.data_ptr(), workspace.data_ptr(), ws_bytes,
+                          sm_count, torch.cuda.current_stream(a.device).cuda_stream)
+    if status:
+        raise RuntimeError(f"grouped GEMM {CONFIGS[config].name}, {mode}, G={groups} N={N} K={K}: failed at "
+                           f"{_STEPS.get(status, status)}")
+    return out
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
     """out[rows of g] = a[rows of g] @ b[g] (module docstring), with ``CONFIGS[config]``."""
     layout = b_layout(b)
     G, K, N = b.shape
     if a.dim() != 2 or a.shape[1] != K or not a.is_contiguous():
         raise ValueError(f"a must be a contiguous [M, {K}], got {tuple(a.shape)} with strides {a.stride()}")
-    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        raise ValueError(f"a and b must be bf16, got {a.dtype} and {b.dtype}")
-    if offsets.shape != (G,) or offsets.dtype != torch.int32 or not offsets.is_contiguous():
-        raise ValueError(f"offsets must be a contiguous int32 [{G}], got {offsets.dtype} {tuple(offsets.shape)}")
-    if not (a.is_cuda and b.is_cuda and offsets.is_cuda and a.device == b.device == offsets.device):
-        raise ValueError("a, b and offsets must be on one CUDA device")
-    if not 0 <= config < len(CONFIGS):
-        raise ValueError(f"config {config}: choose 0..{len(CONFIGS) - 1} ({[c.name for c in CONFIGS]})")
-    lib = _load()
-    if a.shape[0] == 0:
-        return a.new_empty(0, N)
-    k_major = int(layout == "k-major")
-    sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
+    _check({"a": a, "b": b}, offsets, G, config)
     out = a.new_empty(a.shape[0], N)
-    arrays = torch.empty(lib.k3gg_array_bytes(config, k_major, G), dtype=torch.uint8, device=a.device)
-    ws_bytes = lib.k3gg_workspace_bytes(config, k_major, G, sm_count)
-    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=a.device)
-    status = lib.k3gg_run(config, k_major, a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(), G, N, K,
-                          b.stride(0), arrays.data_ptr(), workspace.data_ptr(), ws_bytes, sm_count,
-                          torch.cuda.current_stream(a.device).cuda_stream)
-    if status:
-        raise RuntimeError(f"grouped GEMM {CONFIGS[config].name}, {layout} b, G={G} K={K} N={N}: failed at "
-                           f"{_STEPS.get(status, status)}")
-    return out
+    if a.shape[0] == 0:
+        return out
+    return _run(config, layout, a, b, out, offsets, 0, N, K, b.stride(0))
+
+
+def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
+    """dw[e] = g[rows of e]ᵀ x[rows of e] (module docstring), with ``CONFIGS[config]``."""
+    if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0] or not (g.is_contiguous() and x.is_contiguous()):
+        raise ValueError(f"g and x must be contiguous [M, O] and [M, C], got {tuple(g.shape)} and {tuple(x.shape)}")
+    _check({"g": g, "x": x}, offsets, offsets.shape[0] if offsets.dim() == 1 else -1, config)
+    (M, O), C = g.shape, x.shape[1]
+    out = g.new_empty(offsets.shape[0], O, C)
+    if M == 0:
+        return out.zero_()
+    return _run(config, "wgrad", g, x, out, offsets, O, C, 0, 0)
 
 
 @torch.library.custom_op("k3::grouped_mm_sm90", mutates_args=())

@@ -1,10 +1,12 @@
 // Grouped bf16 GEMM for Hopper (sm_90a) on CUTLASS 3's pointer-array kernels, with the schedule chosen by the
 // caller (torch 2.11's torch._grouped_mm fixes it: cooperative 128x256x64 unless groups are tiny).
 //
-//   D[rows of e] = A[rows of e] @ B_e      A [M, K] row-major, D [M, N] row-major, rows of group e are
-//                                          offsets[e-1]:offsets[e] (offsets [G] int32, cumulative, on the GPU)
-//   B_e = B + e * b_group_stride, [K, N]: "k-major" (element (k, n) at n*K + k: a [N, K] row-major weight)
-//                                         or "n-major" (element (k, n) at k*N + n: a [K, N] row-major weight)
+// Rows of group e are offsets[e-1]:offsets[e] (offsets [G] int32, cumulative, on the GPU). Three modes:
+//   0 forward  D[rows of e] = A[rows of e] @ B_e   A [M, K], D [M, N] row-major; B_e = B + e*b_group_stride,
+//                                                  k-major: element (k, n) at n*K + k (a [N, K] weight)
+//   1 dgrad    the same with B_e n-major: element (k, n) at k*N + n (a [K, N] weight)
+//   2 wgrad    D_e = A[rows of e]^T @ B[rows of e]  A [M, O], B [M, N] row-major, D [G, O, N]: K = the group's
+//                                                  rows (ragged; a group without rows gets D_e = 0)
 //
 // Built as a plain shared library (kernels/grouped_gemm_sm90/build.py) and called through ctypes on the
 // caller's stream: one small kernel writes the per-group pointers, strides and shapes into a caller-owned
@@ -29,17 +31,20 @@ namespace {
 using Bf16 = cutlass::bfloat16_t;
 using Problem = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
 
-// One kernel configuration: schedule, CTA tile (M, N, K) and cluster rows.
-template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM, bool BKMajor>
+// One kernel configuration (schedule, CTA tile (M, N, K), cluster rows) in one mode (0, 1, 2 above).
+template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM, int Mode>
 struct GroupedGemm {
+  static constexpr int kMode = Mode;
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   using MainloopSchedule = cute::conditional_t<PingPong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                                                cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
   using EpilogueSchedule = cute::conditional_t<PingPong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                                                cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  // CUTLASS's B is [N, K]: ColumnMajor = K contiguous ("k-major"), RowMajor = N contiguous.
-  using LayoutB = cute::conditional_t<BKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  // CUTLASS's A is [M, K]: RowMajor = K contiguous, ColumnMajor = M contiguous (wgrad's A^T);
+  // its B is [N, K]: ColumnMajor = K contiguous ("k-major", forward), RowMajor = N contiguous.
+  using LayoutA = cute::conditional_t<Mode == 2, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutB = cute::conditional_t<Mode == 0, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlign = 16 / sizeof(Bf16);
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -51,7 +56,7 @@ struct GroupedGemm {
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Bf16, cutlass::layout::RowMajor*, kAlign,
+      Bf16, LayoutA*, kAlign,
       Bf16, LayoutB*, kAlign,
       float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
@@ -114,22 +119,39 @@ struct GroupedGemm {
   }
 };
 
-// Group e's pointers, strides and (rows, N, K) from the cumulative row counts; one thread a group.
+// Group e's pointers, strides and (M, N, K) from the cumulative row counts; one thread a group. Modes 0 and 1:
+// the group's rows are its M; mode 2: they are its K, and M = rows_fixed (O).
 template <class G>
-__global__ void describe_groups(typename G::Arrays r, const int* offsets, int groups, int N, int K, const Bf16* a,
-                                const Bf16* b, int64_t b_group_stride, Bf16* d, typename G::StrideA sa,
-                                typename G::StrideB sb, typename G::StrideD sd) {
+__global__ void describe_groups(typename G::Arrays r, const int* offsets, int groups, int rows_fixed, int N, int K,
+                                const Bf16* a, const Bf16* b, int64_t b_group_stride, Bf16* d,
+                                typename G::StrideA sa, typename G::StrideB sb, typename G::StrideD sd) {
   int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= groups) return;
   int start = e == 0 ? 0 : offsets[e - 1];
   int rows = offsets[e] - start;
-  r.a[e] = a + static_cast<int64_t>(start) * K;
-  r.b[e] = b + e * b_group_stride;
-  r.d[e] = d + static_cast<int64_t>(start) * N;
+  if constexpr (G::kMode == 2) {
+    r.a[e] = a + static_cast<int64_t>(start) * rows_fixed;
+    r.b[e] = b + static_cast<int64_t>(start) * N;
+    r.d[e] = d + static_cast<int64_t>(e) * rows_fixed * N;
+    r.shape[e] = typename G::Shape(rows_fixed, N, rows);
+  } else {
+    r.a[e] = a + static_cast<int64_t>(start) * K;
+    r.b[e] = b + e * b_group_stride;
+    r.d[e] = d + static_cast<int64_t>(start) * N;
+    r.shape[e] = typename G::Shape(rows, N, K);
+  }
   r.sa[e] = sa;
   r.sb[e] = sb;
   r.sd[e] = sd;
-  r.shape[e] = typename G::Shape(rows, N, K);
+}
+
+// wgrad: D_e = 0 for a group without rows (the GEMM's mainloop never runs there, leaving its accumulators
+// unset). One block a group; the others return at once.
+__global__ void zero_empty_groups(Bf16* d, const int* offsets, int64_t group_elems) {
+  int e = blockIdx.x;
+  if (offsets[e] != (e == 0 ? 0 : offsets[e - 1])) return;
+  Bf16* out = d + e * group_elems;
+  for (int64_t i = threadIdx.x; i < group_elems; i += blockDim.x) out[i] = Bf16(0.0f);
 }
 
 template <class G>
@@ -139,16 +161,23 @@ size_t workspace_bytes(int groups, int sm_count) {
 }
 
 template <class G>
-int run(const void* a, const void* b, void* d, const int* offsets, int groups, int N, int K, int64_t b_group_stride,
-        void* arrays, void* workspace, size_t workspace_size, int sm_count, cudaStream_t stream) {
+int run(const void* a, const void* b, void* d, const int* offsets, int groups, int rows_fixed, int N, int K,
+        int64_t b_group_stride, void* arrays, void* workspace, size_t workspace_size, int sm_count,
+        cudaStream_t stream) {
   auto r = G::carve(arrays, groups);
-  // Every group's matrices are packed: A rows of K, D rows of N, B_e of [N, K] or [K, N].
-  auto sa = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(1, K, 1));
+  // Every group's matrices are packed: the strides are the same for all groups (the K and M given here only
+  // pick the leading dimension).
+  int lead_a = G::kMode == 2 ? rows_fixed : K;
+  auto sa = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(lead_a, lead_a, 1));
   auto sb = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(N, K, 1));
   auto sd = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(1, N, 1));
   describe_groups<G><<<(groups + 127) / 128, 128, 0, stream>>>(
-      r, offsets, groups, N, K, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b), b_group_stride,
-      static_cast<Bf16*>(d), sa, sb, sd);
+      r, offsets, groups, rows_fixed, N, K, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b),
+      b_group_stride, static_cast<Bf16*>(d), sa, sb, sd);
+  if constexpr (G::kMode == 2) {
+    zero_empty_groups<<<groups, 256, 0, stream>>>(static_cast<Bf16*>(d), offsets,
+                                                  static_cast<int64_t>(rows_fixed) * N);
+  }
   if (cudaGetLastError() != cudaSuccess) return 1;
   auto args = G::arguments(r, groups, sm_count);
   if (G::Gemm::get_workspace_size(args) > workspace_size) return 2;
@@ -177,43 +206,43 @@ int k3gg_num_configs() {
 #undef K3_COUNT
 }
 
+// Dispatch on (config, mode) to G = GroupedGemm<...> and return EXPR (the callers return 0 or -1 after it).
+#define K3_MODES(i, pp, tm, tn, tk, cm, EXPR)                                                   \
+  if (config == i) {                                                                           \
+    if (mode == 0) { using G = GroupedGemm<pp, tm, tn, tk, cm, 0>; return EXPR; }            \
+    if (mode == 1) { using G = GroupedGemm<pp, tm, tn, tk, cm, 1>; return EXPR; }            \
+    if (mode == 2) { using G = GroupedGemm<pp, tm, tn, tk, cm, 2>; return EXPR; }            \
+  }
+
 // Bytes of the per-group array buffer the caller provides.
-size_t k3gg_array_bytes(int config, int b_k_major, int groups) {
-#define K3_ARRAY_BYTES(i, pp, tm, tn, tk, cm)                                              \
-  if (config == i)                                                                        \
-    return b_k_major ? GroupedGemm<pp, tm, tn, tk, cm, true>::array_bytes(groups)          \
-                     : GroupedGemm<pp, tm, tn, tk, cm, false>::array_bytes(groups);
-  K3_CONFIGS(K3_ARRAY_BYTES)
-#undef K3_ARRAY_BYTES
+size_t k3gg_array_bytes(int config, int mode, int groups) {
+#define K3_CASE(i, pp, tm, tn, tk, cm) K3_MODES(i, pp, tm, tn, tk, cm, G::array_bytes(groups))
+  K3_CONFIGS(K3_CASE)
+#undef K3_CASE
   return 0;
 }
 
-// Bytes of CUTLASS's workspace for this configuration.
-size_t k3gg_workspace_bytes(int config, int b_k_major, int groups, int sm_count) {
-#define K3_WS_BYTES(i, pp, tm, tn, tk, cm)                                                        \
-  if (config == i)                                                                               \
-    return b_k_major ? workspace_bytes<GroupedGemm<pp, tm, tn, tk, cm, true>>(groups, sm_count)    \
-                     : workspace_bytes<GroupedGemm<pp, tm, tn, tk, cm, false>>(groups, sm_count);
-  K3_CONFIGS(K3_WS_BYTES)
-#undef K3_WS_BYTES
+// Bytes of CUTLASS's workspace for this configuration and mode.
+size_t k3gg_workspace_bytes(int config, int mode, int groups, int sm_count) {
+#define K3_CASE(i, pp, tm, tn, tk, cm) K3_MODES(i, pp, tm, tn, tk, cm, workspace_bytes<G>(groups, sm_count))
+  K3_CONFIGS(K3_CASE)
+#undef K3_CASE
   return 0;
 }
 
-// 0 on success; 1-6: which step failed (describe_groups launch, workspace size, can_implement, initialize,
-// run, launch error); -1: unknown configuration.
-int k3gg_run(int config, int b_k_major, const void* a, const void* b, void* d, const int* offsets, int groups, int N,
-             int K, int64_t b_group_stride, void* arrays, void* workspace, size_t workspace_size, int sm_count,
-             void* stream) {
+// 0 on success; 1-6: which step failed (a launch before the GEMM, workspace size, can_implement, initialize,
+// run, launch error); -1: unknown configuration or mode. rows_fixed: mode 2's O (ignored otherwise); K: modes
+// 0 and 1's (ignored in mode 2, where each group's rows are its K).
+int k3gg_run(int config, int mode, const void* a, const void* b, void* d, const int* offsets, int groups,
+             int rows_fixed, int N, int K, int64_t b_group_stride, void* arrays, void* workspace,
+             size_t workspace_size, int sm_count, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-#define K3_RUN(i, pp, tm, tn, tk, cm)                                                                          \
-  if (config == i)                                                                                            \
-    return b_k_major ? run<GroupedGemm<pp, tm, tn, tk, cm, true>>(a, b, d, offsets, groups, N, K, b_group_stride, \
-                                                                  arrays, workspace, workspace_size, sm_count, s) \
-                     : run<GroupedGemm<pp, tm, tn, tk, cm, false>>(a, b, d, offsets, groups, N, K,               \
-                                                                   b_group_stride, arrays, workspace,            \
-                                                                   workspace_size, sm_count, s);
-  K3_CONFIGS(K3_RUN)
-#undef K3_RUN
+#define K3_CASE(i, pp, tm, tn, tk, cm)                                                                          \
+  K3_MODES(i, pp, tm, tn, tk, cm,                                                                               \
+           run<G>(a, b, d, offsets, groups, rows_fixed, N, K, b_group_stride, arrays, workspace, workspace_size, \
+                  sm_count, s))
+  K3_CONFIGS(K3_CASE)
+#undef K3_CASE
   return -1;
 }
 

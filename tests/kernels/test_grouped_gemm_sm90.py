@@ -1,5 +1,6 @@
-"""kernels.grouped_gemm_sm90: every CUTLASS configuration against ``torch._grouped_mm`` on uneven groups (GPU,
-with the library built), and on CPU what can be checked without one: B layouts, argument errors, and that
+"""kernels.grouped_gemm_sm90: every CUTLASS configuration against ``torch._grouped_mm`` (forward and dgrad
+layouts) and against ``kernels.grouped_wgrad``'s aten reference (wgrad) on uneven and empty groups (GPU, with
+the library built), and on CPU what can be checked without one: B layouts, argument errors, and that
 the module's configuration list is the library source's."""
 
 from __future__ import annotations
@@ -54,3 +55,25 @@ def test_matches_torch_grouped_mm(config, layout):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     empty = got.new_zeros(0, N)  # an empty group writes nothing and reads nothing
     assert torch.equal(gg.grouped_mm(a[:0], b, torch.zeros(16, dtype=torch.int32, device="cuda"), config), empty)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gg.available(), reason="needs an sm_90 GPU and the built library (kernels.grouped_gemm_sm90.build)")
+@pytest.mark.parametrize("config", range(len(gg.CONFIGS)))
+def test_wgrad_matches_aten(config):
+    """dW[e] = g_eᵀ x_e with ragged K: 16 groups of 0-700 rows (two empty: their dW must be exactly 0, which the
+    GEMM's mainloop alone would leave unset), the W13 shapes (O = 512, C = 256)."""
+    from kernels.grouped_wgrad import reference
+
+    gen = torch.Generator().manual_seed(10 + config)
+    counts = torch.randint(0, 700, (16,), generator=gen)
+    counts[[0, 9]] = 0
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    M = int(counts.sum())
+    g = torch.randn(M, 512, generator=gen).cuda().bfloat16()
+    x = torch.randn(M, 256, generator=gen).cuda().bfloat16()
+    want = reference.grouped_wgrad_aten(g, x, offsets)
+    got = gg.grouped_wgrad(g, x, offsets, config)
+    assert got.shape == want.shape == (16, 512, 256)
+    assert torch.equal(got[0], torch.zeros_like(got[0])) and torch.equal(got[9], torch.zeros_like(got[9]))
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
