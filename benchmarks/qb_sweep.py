@@ -15,9 +15,10 @@ step's loss and per-layer loads. docs/moe_notes.md §3 has the figures.
 ``--oracle`` also records, per step and layer, the load a bias *fitted on the step's own forward
 scores* would give (10 exact Quantile Balancing iterations on those scores: not causal, so not a
 method, but the floor any per-expert bias can reach on that step; repeated, near-identical tokens
-keep it above 1), and the same per micro-batch next to the load the run's bias gave it; and the load
-of the step's second half of micro-batches under a bias fitted on its first half (same weights, no
-lag: what the sampling of windows alone leaves a causal bias, at half the step). It works in
+keep it above 1), and the same per micro-batch next to the load the run's bias gave it; and the
+held-out grid: the load of the step's last t micro-batches under a bias fitted on its first f, for every
+f + t ≤ n (same weights, no lag: what the sampling of windows alone leaves a causal bias, and how it
+shrinks with f and t). It works in
 compiled layers too (``train.compile=true``: a graph break per MoE layer, where it runs eagerly);
 ``--oracle-every N`` records it on every N-th step only (its 10 fits over a step's scores take a
 while at bench scale).
@@ -108,20 +109,23 @@ class OracleRecorder:
         self.layer = layer
 
     def pop(self) -> dict | None:
-        """This step's pooled fitted load, the per-micro-batch [actual, fitted] pairs and, with two or
-        more micro-batches, [held-out, fitted] for the step's second half: its load under a bias fitted
-        on the first half (same weights, so no lag: what sampling alone leaves a causal bias) next to
-        its own fitted floor. None when nothing was recorded."""
+        """This step's pooled fitted load, the per-micro-batch [actual, fitted] pairs and, with n ≥ 2
+        micro-batches, the held-out grid: for f + t ≤ n, "f,t" → [the load of the step's last t micro-batches
+        under a bias fitted on its first f, their own fitted load] (same weights, so no lag: what sampling
+        alone leaves a causal bias fitted on f micro-batches, seen on t). None when nothing was recorded."""
         if not self.scores:
             return None
-        k, bias = self.layer.balancer.top_k, self.layer.gate.e_score_correction_bias
+        k, bias, n = self.layer.balancer.top_k, self.layer.gate.e_score_correction_bias, len(self.scores)
         out = {"pooled": round(float(fitted_load(torch.cat(self.scores), k, bias)), 4),
                "micro": [[round(a, 4), round(f, 4)] for a, f in torch.stack(self.micro).tolist()]}
-        half = len(self.scores) // 2
-        if half:
-            first, second = torch.cat(self.scores[:half]), torch.cat(self.scores[half:])
-            out["held_out"] = [round(float(routed_load(second, k, fitted_bias(first, k, bias))), 4),
-                               round(float(fitted_load(second, k, bias)), 4)]
+        if n >= 2:
+            fitted_on = {f: fitted_bias(torch.cat(self.scores[:f]), k, bias) for f in range(1, n)}
+            out["held_out"] = {}
+            for t in range(1, n):
+                test = torch.cat(self.scores[n - t:])
+                own = round(float(fitted_load(test, k, bias)), 4)
+                for f in range(1, n - t + 1):
+                    out["held_out"][f"{f},{t}"] = [round(float(routed_load(test, k, fitted_on[f])), 4), own]
         self.scores, self.micro = [], []
         return out
 
@@ -147,7 +151,7 @@ def run_variant(overrides: list[str], steps: int, out_dir: str, oracle: bool = F
                 rows[-1]["fitted_load_per_layer"] = [f["pooled"] for f in fitted]
                 rows[-1]["micro_batch_load_actual_fitted"] = [f["micro"] for f in fitted]
                 if all("held_out" in f for f in fitted):
-                    rows[-1]["second_half_load_held_out_fitted"] = [f["held_out"] for f in fitted]
+                    rows[-1]["held_out_load_per_layer"] = [f["held_out"] for f in fitted]
             on_step(rows)
     finally:
         trainer.lock.release()
@@ -183,8 +187,9 @@ def main(argv=None) -> None:
                 json.dump(results, fh)
             r = rows[-1]
             fitted = f", fitted {max(r['fitted_load_per_layer']):.2f}" if "fitted_load_per_layer" in r else ""
-            if "second_half_load_held_out_fitted" in r:
-                held, own = zip(*r["second_half_load_held_out_fitted"])
+            if "held_out_load_per_layer" in r:
+                n = len(r["micro_batch_load_actual_fitted"][0])
+                held, own = zip(*(grid[f"{n // 2},{n - n // 2}"] for grid in r["held_out_load_per_layer"]))
                 fitted += f"; second half held out {max(held):.2f}, fitted {max(own):.2f}"
             print(f"{tag} step {r['step']}: loss {r['loss']:.4f}, {1e3 * r['step_time_s']:.0f} ms, worst layer's "
                   f"load {max(r['expert_load_per_layer']):.2f}{fitted}", flush=True)

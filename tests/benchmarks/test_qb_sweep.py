@@ -33,8 +33,9 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
             assert len(r["fitted_load_per_layer"]) == 8 and min(r["fitted_load_per_layer"]) >= 1.0
             assert all(len(layer) == 2 and all(len(p) == 2 for p in layer)
                        for layer in r["micro_batch_load_actual_fitted"])
-            # the second micro-batch under a bias fitted on the first, next to its own fitted floor
-            assert all(held >= own >= 1.0 for held, own in r["second_half_load_held_out_fitted"])
+            # two micro-batches: the second under a bias fitted on the first, next to its own fitted floor
+            assert all(list(grid) == ["1,1"] and grid["1,1"][0] >= grid["1,1"][1] >= 1.0
+                       for grid in r["held_out_load_per_layer"])
     assert res["within"]["rows"][0] != res["published"]["rows"][0]  # a within-step update changes step 1
     table = capsys.readouterr().out
     assert "published" in table and "within" in table and "fitted worst" in table
@@ -120,3 +121,23 @@ def test_sweep_leaves_no_process_group(tmp_path, one_rank):
     qb_sweep.main(["--steps", "1", "--json", str(tmp_path / "s.json"), "--base",
                    "model=k3_tiny train.device=cpu data.seq_len=64 train.global_batch_size=4", "only:"])
     assert not dist.is_initialized()
+
+
+def test_held_out_grid_covers_every_fit_and_test_split():
+    """Four micro-batches: a held-out load for every (fit on the first f, test on the last t) with f + t ≤ 4,
+    each at least the test set's own fitted load (a bias fitted on other tokens cannot beat one fitted on
+    these)."""
+    from k3train.config.schema import ModelConfig
+    from k3train.model.k3 import K3Model
+
+    torch.manual_seed(0)
+    model = K3Model(ModelConfig(num_layers=2, full_attn_layers=[2])).train()
+    recorders = [qb_sweep.OracleRecorder(layer) for layer in model.moe_layers()]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        tokens = torch.randint(0, 512, (2, 64), generator=g)
+        model(tokens, labels=tokens).backward()
+    for rec in recorders:
+        grid = rec.pop()["held_out"]
+        assert sorted(grid) == sorted(f"{f},{t}" for f in range(1, 4) for t in range(1, 5 - f))
+        assert all(held >= own - 1e-6 and own >= 1.0 for held, own in grid.values())
