@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # op_timing, moe
 
 from k3train.config.schema import ModelConfig, ParallelConfig  # noqa: E402
 from k3train.model.mlp import situ_glu  # noqa: E402
-from k3train.model.moe import GROUPED_GEMMS, RoutedExperts  # noqa: E402
+from k3train.model.moe import RoutedExperts, grouped_gemm_configs  # noqa: E402
 from k3train.model.router import SigmoidRouter  # noqa: E402
 from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
@@ -253,8 +253,9 @@ def main(argv=None):
                     help="time each row as CUDA-graph replays (GPU time only; rows that cannot be captured, "
                          "such as the loop's host syncs, fall back to do_bench)")
     ap.add_argument("--grouped-gemms", default="torch",
-                    help=f"grouped rows, one per grouped GEMM, comma-separated from {GROUPED_GEMMS} (cutlass:<i>: "
-                         f"kernels.grouped_gemm_sm90's configuration i, experimental)")
+                    help="grouped rows, one per grouped GEMM, comma-separated: torch, cutlass:<i> (forward and dgrad "
+                         "by kernels.grouped_gemm_sm90's configuration i, experimental) or cutlass:<i>:<j> (and the "
+                         "wgrad by configuration j)")
     ap.add_argument("--profile", action="store_true",
                     help="also list each row's CUDA kernels with their ms per fwd+bwd (torch.profiler, eager)")
     ap.add_argument("--json", default="moe_bench.json")
@@ -263,8 +264,11 @@ def main(argv=None):
     if unknown := set(impls) - IMPLS:
         ap.error(f"--impls: unknown {sorted(unknown)}; choose from {sorted(IMPLS)}")
     gemms = args.grouped_gemms.split(",")
-    if unknown := set(gemms) - set(GROUPED_GEMMS):
-        ap.error(f"--grouped-gemms: unknown {sorted(unknown)}; choose from {GROUPED_GEMMS}")
+    for gemm in gemms:
+        try:
+            grouped_gemm_configs(gemm)
+        except ValueError as err:
+            ap.error(f"--grouped-gemms: {err}")
     E, k, ell, I, N = args.experts, args.topk, args.latent, args.width, args.tokens
     M, dt = N * k, DTYPES[args.dtype]
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")

@@ -30,38 +30,55 @@ from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import token_dispatcher
 from kernels.grouped_gemm_sm90 import CONFIGS as CUTLASS_CONFIGS
+from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
+from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
 from kernels.grouped_wgrad import grouped_wgrad
 from kernels.situ import situ_glu_packed
 
 
-GROUPED_GEMMS = ("torch", *(f"cutlass:{i}" for i in range(len(CUTLASS_CONFIGS))))  # RoutedExperts.grouped_gemm
+def grouped_gemm_configs(gemm: str) -> tuple[int | None, int | None]:
+    """RoutedExperts.grouped_gemm → (CUTLASS configuration of the forward and dgrad products, of the wgrad):
+    "torch" → (None, None): ``torch._grouped_mm`` and ``kernels.grouped_wgrad``; "cutlass:i" → (i, None);
+    "cutlass:i:j" → (i, j), configurations of ``kernels.grouped_gemm_sm90`` (experimental)."""
+    parts = gemm.split(":")
+    ok = parts == ["torch"] or (parts[0] == "cutlass" and len(parts) in (2, 3) and
+                                all(p.isdigit() and int(p) < len(CUTLASS_CONFIGS) for p in parts[1:]))
+    if not ok:
+        raise ValueError(f"grouped GEMM {gemm!r}: 'torch', 'cutlass:<i>' or 'cutlass:<i>:<j>' with i, j in "
+                         f"0..{len(CUTLASS_CONFIGS) - 1} (kernels.grouped_gemm_sm90.CONFIGS)")
+    if parts == ["torch"]:
+        return None, None
+    return int(parts[1]), int(parts[2]) if len(parts) == 3 else None
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gemm: str) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e] by ``torch._grouped_mm`` or a ``kernels.grouped_gemm_sm90``
-    configuration ("cutlass:<i>")."""
-    if gemm == "torch":
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int | None) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e] by ``torch._grouped_mm`` (config None) or a
+    ``kernels.grouped_gemm_sm90`` configuration."""
+    if config is None:
         return torch._grouped_mm(a, b, offs=offsets)
-    from kernels.grouped_gemm_sm90 import grouped_mm_op
-    return grouped_mm_op(a.contiguous(), b, offsets, int(gemm.split(":")[1]))
+    return cutlass_grouped_mm(a.contiguous(), b, offsets, config)
 
 
 class _GroupedLinear(torch.autograd.Function):
-    """y = x W_eᵀ per group (``torch._grouped_mm`` or the ``gemm`` named); dx by the same grouped GEMM, dW by
-    ``kernels.grouped_wgrad`` (its Triton kernel on sm_90+, where ``torch._grouped_mm``'s K-grouped GEMM is
-    slow; the same aten product elsewhere)."""
+    """y = x W_eᵀ per group; dx by the same grouped GEMM, dW by ``kernels.grouped_wgrad`` (its Triton kernel on
+    sm_90+, where ``torch._grouped_mm``'s K-grouped GEMM is slow; the same aten product elsewhere), each
+    unless ``gemm`` names a CUTLASS configuration for it (``grouped_gemm_configs``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
-        ctx.gemm = gemm
-        return _grouped_mm(x, w.transpose(-2, -1), offsets, gemm)
+        ctx.configs = grouped_gemm_configs(gemm)
+        return _grouped_mm(x, w.transpose(-2, -1), offsets, ctx.configs[0])
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, w, offsets = ctx.saved_tensors
-        grad_x = _grouped_mm(grad_y, w, offsets, ctx.gemm) if ctx.needs_input_grad[0] else None
-        grad_w = grouped_wgrad(grad_y, x, offsets) if ctx.needs_input_grad[1] else None
+        mm_config, wgrad_config = ctx.configs
+        grad_x = _grouped_mm(grad_y, w, offsets, mm_config) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grouped_wgrad(grad_y, x, offsets) if wgrad_config is None else
+                      cutlass_grouped_wgrad(grad_y.contiguous(), x.contiguous(), offsets, wgrad_config))
         return grad_x, grad_w, None, None
 
 
@@ -71,14 +88,13 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm
     x [M, K] (rows offsets[e-1]:offsets[e] belong to expert e), w [E, O, K], offsets [E] int32
     cumulative row counts → [M, O], row m = x[m] @ w[e(m)]ᵀ. Runs in x.dtype (bf16 under autocast).
     torch's fast path is bf16 on sm_90/sm_100; other dtypes and GPUs take its per-group fallback,
-    which reads the offsets on the host (torch ≥ 2.10), as the CPU path does. ``gemm`` (one of
-    ``GROUPED_GEMMS``): "torch", or "cutlass:<i>" for ``kernels.grouped_gemm_sm90``'s configuration i
-    (experimental: bf16 on sm_90 with its library built; ``benchmarks/moe.py --grouped-gemms``).
+    which reads the offsets on the host (torch ≥ 2.10), as the CPU path does. ``gemm``: "torch", or
+    CUTLASS configurations of ``kernels.grouped_gemm_sm90`` ("cutlass:<i>[:<j>]", ``grouped_gemm_configs``;
+    experimental: bf16 on sm_90 with its library built; ``benchmarks/moe.py --grouped-gemms``).
     """
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")
-    if gemm not in GROUPED_GEMMS:
-        raise ValueError(f"grouped GEMM {gemm!r}: choose one of {GROUPED_GEMMS}")
+    grouped_gemm_configs(gemm)  # a bad name fails here, not in the backward
     return _GroupedLinear.apply(x, w.to(x.dtype), offsets, gemm)
 
 
@@ -110,7 +126,7 @@ class RoutedExperts(nn.Module):
                            ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=2, ep_partition_dim=0))
         self.weight_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.input_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.grouped_gemm = "torch"  # grouped_linear's gemm (GROUPED_GEMMS)
+        self.grouped_gemm = "torch"  # grouped_linear's gemm (grouped_gemm_configs)
 
     def _operands(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_fake_quant is not None:

@@ -16,7 +16,8 @@ torch 2.11 builds one CUTLASS pointer-array kernel for this with its configurati
 ``grouped_gemm.cu`` instantiates, to measure which suits K = 256–512 (``benchmarks/moe_components.py
 --gemm-products``). Experimental: not on the model's path.
 
-``grouped_mm_op`` is the same as the custom op ``k3::grouped_mm_sm90`` (with a fake for torch.compile).
+``grouped_mm_op`` and ``grouped_wgrad_op`` are the same as the custom ops ``k3::grouped_mm_sm90`` and
+``k3::grouped_wgrad_sm90`` (with fakes for torch.compile).
 
 The library is built ahead with nvcc and CUTLASS's headers (``python -m kernels.grouped_gemm_sm90.build``;
 sm_90a code, so the build needs no GPU) and found at ``$K3_GROUPED_GEMM_LIB`` or ``LIB_DEFAULT``. The call
@@ -188,3 +189,18 @@ def _grouped_mm_fake(a, b, offsets, config):
 def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
     """``grouped_mm`` as the custom op ``k3::grouped_mm_sm90``: what compiled graphs call."""
     return _grouped_mm_op(a, b, offsets, config)
+
+
+@torch.library.custom_op("k3::grouped_wgrad_sm90", mutates_args=())
+def _grouped_wgrad_op(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, config: int) -> torch.Tensor:
+    return grouped_wgrad(g, x, offsets, config)
+
+
+@_grouped_wgrad_op.register_fake
+def _grouped_wgrad_fake(g, x, offsets, config):
+    return g.new_empty(offsets.shape[0], g.shape[1], x.shape[1])
+
+
+def grouped_wgrad_op(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
+    """``grouped_wgrad`` as the custom op ``k3::grouped_wgrad_sm90``: what compiled graphs call."""
+    return _grouped_wgrad_op(g, x, offsets, config)

@@ -77,3 +77,18 @@ def test_wgrad_matches_aten(config):
     assert got.shape == want.shape == (16, 512, 256)
     assert torch.equal(got[0], torch.zeros_like(got[0])) and torch.equal(got[9], torch.zeros_like(got[9]))
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_routed_experts_grouped_gemm_names():
+    """RoutedExperts.grouped_gemm: torch by default, CUTLASS configurations by index (forward and dgrad, then
+    optionally the wgrad); a bad name fails in the forward, naming the forms."""
+    from k3train.model.moe import grouped_gemm_configs, grouped_linear
+
+    assert grouped_gemm_configs("torch") == (None, None)
+    assert grouped_gemm_configs("cutlass:2") == (2, None)
+    assert grouped_gemm_configs("cutlass:1:4") == (1, 4)
+    for bad in ("cutlass", f"cutlass:{len(gg.CONFIGS)}", "cutlass:a", "cuda", "cutlass:1:2:3"):
+        with pytest.raises(ValueError, match="cutlass:<i>:<j>"):
+            grouped_gemm_configs(bad)
+    with pytest.raises(ValueError, match="grouped GEMM 'cutlass:9'"):
+        grouped_linear(torch.randn(4, 8), torch.randn(2, 6, 8), torch.tensor([2, 4], dtype=torch.int32), "cutlass:9")
