@@ -64,6 +64,10 @@ class ModelConfig:
     # Bias updates per optimizer step: 1 = once, after the step (as published); U > 1 also after
     # every n/U of the step's n micro-batches, from their forward scores. U must divide n.
     qb_updates_per_step: int = 1
+    # Step feedback g (k3train/model/quantile_balancing.py): with qb_updates_per_step > 1, each update within
+    # the step also steers the step's running per-expert counts back to their mean (g = 1: in equal parts
+    # over the windows left). 0: each window is balanced on its own.
+    qb_step_feedback: float = 0.0
 
     rms_norm_eps: float = 1e-5
     init_std: float = 0.006

@@ -54,6 +54,11 @@ def validate_model(m: ModelConfig, tp: int = 1, ep: int = 1) -> None:
           f"exact only there (K3 uses -5)")
     _need(m.qb_estimator in ("histogram", "exact"), f"model.qb_estimator={m.qb_estimator!r}: use histogram or exact")
     _need(0.0 <= m.qb_ema < 1.0, f"model.qb_ema={m.qb_ema} must be in [0, 1)")
+    _need(0.0 <= m.qb_step_feedback <= 4.0, f"model.qb_step_feedback={m.qb_step_feedback} must be in [0, 4] "
+                                            f"(0 turns it off, 1 corrects over the windows left)")
+    _need(m.qb_step_feedback == 0.0 or m.qb_updates_per_step > 1,
+          f"model.qb_step_feedback={m.qb_step_feedback} acts only between the updates within a step: set "
+          f"model.qb_updates_per_step > 1 (e.g. the micro-batches of a step) or model.qb_step_feedback=0")
     _need(m.qb_rescore_stride >= 0, f"model.qb_rescore_stride={m.qb_rescore_stride} must be >= 0 "
                                     f"(0 = the forward's scores, s = re-score every s-th position)")
     for name in ("kda_num_heads", "mla_num_heads", "vocab_size", "dense_intermediate_size",

@@ -20,7 +20,7 @@ TEXT_MODEL_TYPE = "kimi_linear"
 ARCHITECTURES = ["KimiK3ForConditionalGeneration"]
 # ModelConfig fields with no HF counterpart: carried in text_config["k3train"].
 K3TRAIN_ONLY = ("name", "require_k3_layer_pattern", "qb_estimator", "qb_bins", "qb_ema", "qb_rescore_stride",
-                "qb_updates_per_step", "init_std")
+                "qb_updates_per_step", "qb_step_feedback", "init_std")
 # Tensors the quantizer leaves alone (compressed-tensors ``ignore``): only routed experts are MXFP4.
 MXFP4_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
                 "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]

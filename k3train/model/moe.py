@@ -204,7 +204,9 @@ class LatentMoE(nn.Module):
         self.shared_experts = SiTUMLP(tp, d, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                       cfg.situ_beta, cfg.situ_linear_beta)
         self.balancer = QuantileBalancer(cfg.num_experts, cfg.num_experts_per_token, cfg.qb_estimator,
-                                         cfg.qb_bins, cfg.qb_ema)
+                                         cfg.qb_bins, cfg.qb_ema, cfg.qb_step_feedback)
+        self.qb_updates_per_step = cfg.qb_updates_per_step
+        self._windows_done = 0  # updates within the current step so far
         self.qb_rescore_stride = cfg.qb_rescore_stride
         self.router_inputs: list[torch.Tensor] = []  # [tokens, d] per micro-batch, detached
         self.load = ExpertLoad(cfg.num_experts)
@@ -228,7 +230,8 @@ class LatentMoE(nn.Module):
         grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts)
         if observe:
             self.load.add(handle.tokens_per_expert, routing.experts.numel(), grouped.shape[0])
-            self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
+            self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias,
+                                  handle.tokens_per_expert)
         y = self.experts(grouped, tokens_per_expert, *self.dispatcher.expert_stacks(self.experts, handle))
         u = self.dispatcher.combine(y, self.tp.copy_to_tp(routing.weights), handle)
         u = self.tp.reduce_from_tp(u)
@@ -240,14 +243,20 @@ class LatentMoE(nn.Module):
         """Quantile Balancing from the micro-batches since the last update, pooled over ``group``.
 
         Within a step (``after_optimizer_step=False``) it uses the forward's scores: the weights have
-        not moved. After the optimizer step, with re-scoring on, the kept router inputs are scored by
-        the updated router instead.
+        not moved; with ``model.qb_step_feedback`` it also steers the step's running counts (the windows
+        left are ``qb_updates_per_step`` less the updates so far). After the optimizer step, with re-scoring
+        on, the kept router inputs are scored by the updated router instead.
         """
         bias = self.gate.e_score_correction_bias
+        if after_optimizer_step:
+            windows_left, self._windows_done = None, 0
+        else:
+            self._windows_done += 1
+            windows_left = self.qb_updates_per_step - self._windows_done
         if after_optimizer_step and self.router_inputs:
             self.balancer.reset()
             for x in self.router_inputs:
                 routing = self.gate(x)
                 self.balancer.observe(routing.scores, routing.cutoff, bias)
         self.router_inputs.clear()
-        self.balancer.update(bias, group)
+        self.balancer.update(bias, group, windows_left)

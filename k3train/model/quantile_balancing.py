@@ -6,6 +6,12 @@ Over all m tokens of a global step, with n experts, top-k and target load q = m�
     b_j  = q-th smallest of r_{:, j}      (the k/n quantile of r_{:, j})
     b    ← b − mean(b)                    applied from the next step
 
+Step feedback (``model.qb_step_feedback`` = g > 0, with updates within the step): an update after window w
+of a step's U gives expert j the rank q + g · (c̄ − c_j) / (U − w) instead of q, where c_j counts the tokens
+routed to j in the step so far (pooled over data-parallel ranks) and c̄ is their mean: experts behind their
+share get more of the remaining windows, those ahead fewer, so that the step-pooled load, not only each
+window's, is steered to balance. Causal: it uses only windows already routed.
+
 Two estimators share one interface (``observe`` per micro-batch, ``update`` per step):
 
 - ``ExactQuantile`` keeps every r (tests and tiny runs; DP ranks all-gather);
@@ -29,21 +35,26 @@ def target_load(num_tokens, top_k: int, num_experts: int):
     return num_tokens * top_k / num_experts
 
 
-def exact_bias(r: torch.Tensor, top_k: int) -> torch.Tensor:
-    """b_j = the ⌈q⌉-th smallest r_{:, j} (1-based), mean-centred. r: [m, n] → [n]."""
+def exact_bias(r: torch.Tensor, top_k: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """b_j = the ⌈q⌉-th smallest r_{:, j} (1-based), mean-centred. r: [m, n] → [n]. ``extra`` [n]: per-expert
+    additions to q (step feedback); the ranks are clamped to 1..m."""
     m, n = r.shape
-    rank = max(1, math.ceil(target_load(m, top_k, n) - 1e-9))
-    b = r.float().kthvalue(rank, dim=0).values
+    q = target_load(m, top_k, n)
+    if extra is None:
+        b = r.float().kthvalue(max(1, math.ceil(q - 1e-9)), dim=0).values
+    else:
+        rank = torch.ceil(q + extra.double() - 1e-9).clamp(1, m).long()
+        b = r.float().sort(dim=0).values.gather(0, (rank - 1).unsqueeze(0)).squeeze(0)
     return b - b.mean()
 
 
 def histogram_bias(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Read each expert's q-quantile off integer bin counts [n, B] on [lo, lo + B·width], centred.
 
-    lo, width, q: 0-d tensors on the counts' device (no host round trip)."""
+    lo, width: 0-d tensors on the counts' device (no host round trip); q: 0-d, or [n] for a rank per expert."""
     cum = counts.cumsum(dim=1)
     q = q.double()
-    need = torch.ceil(q - 1e-9)
+    need = torch.ceil(q - 1e-9).reshape(-1, 1)
     bin_idx = (cum < need).sum(dim=1).clamp(max=counts.shape[1] - 1)  # first bin reaching ⌈q⌉
     before = torch.where(bin_idx > 0, cum.gather(1, (bin_idx - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
                          torch.zeros_like(bin_idx))
@@ -64,14 +75,18 @@ class QuantileBalancer(nn.Module):
     torch.compile, for tests and tiny runs)."""
 
     def __init__(self, num_experts: int, top_k: int, estimator: str = "histogram", bins: int = 1000,
-                 ema: float = 0.0):
+                 ema: float = 0.0, step_feedback: float = 0.0):
         super().__init__()
         if estimator not in ("histogram", "exact"):
             raise ValueError(f"model.qb_estimator={estimator!r}: use 'histogram' or 'exact'")
         self.num_experts, self.top_k = num_experts, top_k
-        self.estimator, self.bins, self.ema = estimator, bins, ema
+        self.estimator, self.bins, self.ema, self.step_feedback = estimator, bins, ema, step_feedback
         self.register_buffer("counts", torch.zeros(num_experts, bins if estimator == "histogram" else 0,
                                                    dtype=torch.int64), persistent=False)
+        # step feedback: tokens routed to each expert since the last update (this rank) and in the step so far
+        # (pooled over the update's group)
+        self.register_buffer("window_tokens", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("step_tokens", torch.zeros(num_experts), persistent=False)
         self._r: list[torch.Tensor] = []
         self._edges: tuple[torch.Tensor, torch.Tensor] | None = None  # the grid, computed once a step (eager)
         self.observed = False  # anything since the last update (written, never read, in the forward)
@@ -95,32 +110,51 @@ class QuantileBalancer(nn.Module):
         self._r.append(r.clone())
 
     @torch.no_grad()
-    def observe(self, scores: torch.Tensor, cutoff: torch.Tensor, bias: torch.Tensor) -> None:
-        """scores [N, n] raw sigmoid, cutoff [N]: accumulate r = α − s of this micro-batch."""
+    def observe(self, scores: torch.Tensor, cutoff: torch.Tensor, bias: torch.Tensor,
+                tokens_per_expert: torch.Tensor | None = None) -> None:
+        """scores [N, n] raw sigmoid, cutoff [N]: accumulate r = α − s of this micro-batch; and, with step
+        feedback, the tokens it routed to each expert [n]."""
         self.observed = True
+        if self.step_feedback and tokens_per_expert is not None:
+            self.window_tokens += tokens_per_expert
         if self.estimator == "exact":
             self._keep(cutoff.unsqueeze(1) - scores)
             return
         histogram_add(self.counts, scores, cutoff, *self._grid(bias))  # one fused kernel on the GPU
 
     @torch.no_grad()
-    def update(self, bias: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-        """Compute the new bias from this step's stats (pooled over ``group``) and write it in place."""
+    def update(self, bias: torch.Tensor, group: dist.ProcessGroup | None = None,
+               windows_left: int | None = None) -> None:
+        """Compute the new bias from this step's stats (pooled over ``group``) and write it in place.
+        ``windows_left``: the windows of the step still to route (an update within the step, which step
+        feedback steers); None after the optimizer step (the step's counts start again)."""
         if not self.observed:
             return
+        pooled = group is not None and dist.get_world_size(group) > 1
+        extra = None
+        if self.step_feedback:
+            if pooled:
+                dist.all_reduce(self.window_tokens, group=group)
+            self.step_tokens += self.window_tokens
+            if windows_left:
+                extra = self.step_feedback * (self.step_tokens.mean() - self.step_tokens) / windows_left
+            else:
+                self.step_tokens.zero_()
         if self.estimator == "exact":
             r = torch.cat(self._r)
-            if group is not None and dist.get_world_size(group) > 1:
+            if pooled:
                 parts = [torch.empty_like(r) for _ in range(dist.get_world_size(group))]
                 dist.all_gather(parts, r, group=group)
                 r = torch.cat(parts)
-            new = exact_bias(r, self.top_k)
+            new = exact_bias(r, self.top_k, extra)
         else:
             counts = self.counts
-            if group is not None and dist.get_world_size(group) > 1:
+            if pooled:
                 dist.all_reduce(counts, group=group)
             tokens = counts[0].sum()  # every token lands in one bin of every expert's row
             q = target_load(tokens, self.top_k, self.num_experts)
+            if extra is not None:
+                q = (q + extra.double()).clamp(min=1.0).minimum(tokens.double())
             new = histogram_bias(counts, *self._grid(bias), q)
         if self.ema > 0:
             new = self.ema * bias + (1.0 - self.ema) * new
@@ -129,7 +163,9 @@ class QuantileBalancer(nn.Module):
         self.reset()
 
     def reset(self) -> None:
+        """Forget the stats since the last update (the step's feedback counts stay)."""
         self._r = []
         self._edges = None
         self.counts.zero_()
+        self.window_tokens.zero_()
         self.observed = False

@@ -285,7 +285,7 @@ def check_model_config(saved: dict, model_cfg: ModelConfig, path: Path, ignore: 
 
 # Model fields that do not change the weights: train.init_from may change them.
 NON_WEIGHT_FIELDS = ("name", "require_k3_layer_pattern", "qb_estimator", "qb_bins", "qb_ema", "qb_rescore_stride",
-                     "qb_updates_per_step", "init_std", "max_seq_len")
+                     "qb_updates_per_step", "qb_step_feedback", "init_std", "max_seq_len")
 
 
 @single_intra_op_thread()

@@ -84,6 +84,8 @@ def _cfg(**sections) -> K3Config:
     ({"parallel": {"tensor": 2, "expert_tensor": 2}}, 3, "parallel.tensor"),
     ({"model": {"qb_updates_per_step": 3}}, 1, "model.qb_updates_per_step"),  # 16 / 4 = 4 micro-batches
     ({"model": {"qb_rescore_stride": -1}}, 1, "model.qb_rescore_stride"),
+    ({"model": {"qb_step_feedback": 1.0}}, 1, "model.qb_step_feedback=1.0 acts only between the updates"),
+    ({"model": {"qb_step_feedback": -0.5, "qb_updates_per_step": 2}}, 1, "model.qb_step_feedback=-0.5 must be"),
     ({"precision": {"recipe": "fp4"}}, 1, "precision.recipe"),
     ({"precision": {"recipe": "fp8_block"}, "train": {"device": "cpu"}}, 1, "precision.recipe"),
     ({"precision": {"params": "fp16"}}, 1, "precision.params"),

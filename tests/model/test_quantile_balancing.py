@@ -169,3 +169,38 @@ def test_expert_load_pools_micro_batches():
     torch.testing.assert_close(moe.load.tokens, pooled)
     worst = max(float(l.max() / l.mean()) for l in loads)
     assert abs(float(moe.load.worst) - worst) < 1e-6
+
+
+@pytest.mark.parametrize("estimator", ["exact", "histogram"])
+def test_step_feedback_moves_ranks_by_the_steps_running_deficit(estimator):
+    """An update within the step with step feedback g reads expert j's quantile at rank q + g·(c̄ − c_j)/(windows
+    left) (brute force below), so an expert ahead of its share in the step gets a lower bias than without
+    feedback and one behind a higher; the histogram estimator stays within a bin of the exact one. After the
+    optimizer step (windows_left=None) the step's counts start again and no rank moves."""
+    n, k, m = 8, 2, 256
+    bias = torch.zeros(n)
+    s, alpha = _stats(m=m, n=n, k=k, seed=3, bias=bias)
+    tokens = torch.tensor([120.0, 40, 60, 64, 64, 64, 64, 36])  # this window's routed copies per expert
+    plain, fed = QuantileBalancer(n, k, estimator), QuantileBalancer(n, k, estimator, step_feedback=1.0)
+    for qb in (plain, fed):
+        qb.observe(s, alpha, bias, tokens)
+    got_plain, got_fed = bias.clone(), bias.clone()
+    plain.update(got_plain, windows_left=2)
+    fed.update(got_fed, windows_left=2)
+    extra = (tokens.mean() - tokens) / 2
+    r = alpha[:, None] - s
+    ranks = torch.ceil(m * k / n + extra - 1e-9).clamp(1, m).long()
+    want = torch.stack([r[:, j].sort().values[ranks[j] - 1] for j in range(n)])
+    want = want - want.mean()
+    tol = 1e-6 if estimator == "exact" else 2.0 / 1000 + 1e-6
+    assert (got_fed - want).abs().max() <= tol
+    assert got_fed[0] - got_fed.mean() < got_plain[0] - got_plain.mean()  # ahead: fewer tokens next
+    assert got_fed[7] - got_fed.mean() > got_plain[7] - got_plain.mean()  # behind: more
+    assert torch.equal(fed.step_tokens, tokens)  # the step so far
+    fed.observe(s, alpha, bias, tokens)
+    after_step = bias.clone()
+    fed.update(after_step)  # after the optimizer step: plain ranks, and the step's counts reset
+    plain.observe(s, alpha, bias, tokens)
+    plain.update(got_plain)
+    torch.testing.assert_close(after_step, got_plain)
+    assert not fed.step_tokens.any()

@@ -53,10 +53,13 @@ def test_tp2_checkpoint_resumes_on_one_rank(tp2, tmp_path):
     assert_close_losses(got, ref, (4, 5, 6), 1e-3)
 
 
-def test_dp2_with_quantile_balancing_within_the_step_matches_one_rank(tmp_path):
+@pytest.mark.parametrize("feedback", [0.0, 1.0])
+def test_dp2_with_quantile_balancing_within_the_step_matches_one_rank(tmp_path, feedback):
     """model.qb_updates_per_step=2 pools the same samples at any DP size: one rank updates the bias
-    after micro-batches 2 and 4 of 4, DP=2 after each of its 2 rounds (samples 0–3, then 4–7)."""
-    overrides = (*STEPS, "train.global_batch_size=8", "model.qb_updates_per_step=2")
+    after micro-batches 2 and 4 of 4, DP=2 after each of its 2 rounds (samples 0–3, then 4–7); with
+    step feedback the step's running per-expert counts are pooled too."""
+    overrides = (*STEPS, "train.global_batch_size=8", "model.qb_updates_per_step=2",
+                 f"model.qb_step_feedback={feedback}")
     train(tmp_path / "one", *overrides)
     torchrun(tmp_path / "dp2", *overrides)
     assert_close_losses(losses(tmp_path / "dp2"), losses(tmp_path / "one"), range(1, 7), 1e-5)
