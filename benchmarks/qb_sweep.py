@@ -90,13 +90,13 @@ class OracleRecorder:
         balancer, update_bias = layer.balancer, layer.update_bias
 
         @torch.compiler.disable
-        def observe(scores, cutoff, bias):
+        def observe(scores, cutoff, bias, tokens_per_expert=None):
             if self.active and not self._in_update:
                 k = balancer.top_k
                 scores = scores.detach().clone()
                 self.micro.append(torch.stack([routed_load(scores, k, bias), fitted_load(scores, k, bias)]))
                 self.scores.append(scores)
-            return type(balancer).observe(balancer, scores, cutoff, bias)
+            return type(balancer).observe(balancer, scores, cutoff, bias, tokens_per_expert)
 
         def update(*args, **kwargs):
             self._in_update = True
