@@ -208,7 +208,29 @@ def main(argv=None) -> None:
             worst = [max(r[key]) for r in late if key in r]
             cols.append(f"{statistics.median(worst):13.2f}{max(worst):13.2f}" if worst else f"{'-':>13}{'-':>13}")
         print(f"{tag:<16}{ms:9.1f}{rows[-1]['loss']:8.3f}{cols[0]}{cols[1]}")
+    for tag, res in results.items():
+        print_held_out_grid(tag, [r for r in res["rows"] if r["step"] >= args.from_step])
     print(f"wrote {args.json}")
+
+
+def print_held_out_grid(tag: str, rows: list[dict]) -> None:
+    """The held-out grid of the oracle steps in ``rows``: for the last t micro-batches (rows) under a bias fitted
+    on the first f (columns), the median over steps of the worst layer's load; the last column is the t
+    micro-batches' own fitted load."""
+    grids = [r["held_out_load_per_layer"] for r in rows if "held_out_load_per_layer" in r]
+    if not grids:
+        return
+    n = max(int(key.split(",")[0]) for key in grids[0][0]) + 1
+
+    def median_worst(key: str, which: int) -> float:
+        return statistics.median(max(layer[key][which] for layer in grid) for grid in grids)
+
+    print(f"{tag}: held-out load, worst layer, median over {len(grids)} steps (rows: tested on the last t "
+          f"micro-batches; columns: bias fitted on the first f)")
+    print(f"{'t':>4}" + "".join(f"{f'f={f}':>8}" for f in range(1, n)) + f"{'own fit':>9}")
+    for t in range(1, n):
+        cells = [f"{median_worst(f'{f},{t}', 0):8.3f}" if f + t <= n else f"{'':>8}" for f in range(1, n)]
+        print(f"{t:>4}" + "".join(cells) + f"{median_worst(f'1,{t}', 1):9.3f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
     assert res["within"]["rows"][0] != res["published"]["rows"][0]  # a within-step update changes step 1
     table = capsys.readouterr().out
     assert "published" in table and "within" in table and "fitted worst" in table
+    assert "published: held-out load" in table and "own fit" in table
 
 
 def test_oracle_records_compiled_layers_like_eager_ones(monkeypatch):
