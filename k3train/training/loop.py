@@ -5,7 +5,8 @@ One optimizer step:
         loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
         (``MicroBatchLoop``; under parallel.pipeline > 1 the 1F1B ``PipelineSchedule`` runs them
         through the stages and reports the step's loss on every stage)
-        (model.qb_updates_per_step > 1: Quantile Balancing also between groups of micro-batches)
+        (model.qb_updates_per_step > 1: Quantile Balancing also between groups of micro-batches, steering
+        the step's running per-expert counts with model.qb_step_feedback > 0)
     average gradients over DP×CP (overlapped with the last backward); ‖g‖ over TP, EP and PP; clip;
         optimizer.step() on the main weights; scheduler.step()
     QK-clip (Muon recipe) rescales the main weights of MLA heads whose max logit exceeded τ
