@@ -133,7 +133,9 @@ __global__ void describe_groups(typename G::Arrays r, const int* offsets, int gr
     r.a[e] = a + static_cast<int64_t>(start) * rows_fixed;
     r.b[e] = b + static_cast<int64_t>(start) * N;
     r.d[e] = d + static_cast<int64_t>(e) * rows_fixed * N;
-    r.shape[e] = typename G::Shape(rows_fixed, N, rows);
+    // a group without rows gets no tiles at all (M = 0), so no TMA descriptor of a zero extent is ever used;
+    // zero_empty_groups writes its dW
+    r.shape[e] = typename G::Shape(rows == 0 ? 0 : rows_fixed, N, rows);
   } else {
     r.a[e] = a + static_cast<int64_t>(start) * K;
     r.b[e] = b + e * b_group_stride;
