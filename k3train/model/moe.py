@@ -62,13 +62,14 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config:
 class _GroupedLinear(torch.autograd.Function):
     """y = x W_eᵀ per group; dx by the same grouped GEMM, dW by ``kernels.grouped_wgrad`` (its Triton kernel on
     sm_90+, where ``torch._grouped_mm``'s K-grouped GEMM is slow; the same aten product elsewhere), each
-    unless ``gemm`` names a CUTLASS configuration for it (``grouped_gemm_configs``)."""
+    unless a CUTLASS configuration is given for it (``grouped_gemm_configs``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, mm_config: int | None,
+                wgrad_config: int | None) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
-        ctx.configs = grouped_gemm_configs(gemm)
-        return _grouped_mm(x, w.transpose(-2, -1), offsets, ctx.configs[0])
+        ctx.configs = mm_config, wgrad_config
+        return _grouped_mm(x, w.transpose(-2, -1), offsets, mm_config)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -79,7 +80,7 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = (grouped_wgrad(grad_y, x, offsets) if wgrad_config is None else
                       cutlass_grouped_wgrad(grad_y.contiguous(), x.contiguous(), offsets, wgrad_config))
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str = "torch") -> torch.Tensor:
@@ -94,8 +95,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm
     """
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")
-    grouped_gemm_configs(gemm)  # a bad name fails here, not in the backward
-    return _GroupedLinear.apply(x, w.to(x.dtype), offsets, gemm)
+    return _GroupedLinear.apply(x, w.to(x.dtype), offsets, *grouped_gemm_configs(gemm))
 
 
 class RoutedExperts(nn.Module):

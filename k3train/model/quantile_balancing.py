@@ -132,14 +132,13 @@ class QuantileBalancer(nn.Module):
             return
         pooled = group is not None and dist.get_world_size(group) > 1
         extra = None
-        if self.step_feedback:
+        if self.step_feedback and windows_left:
             if pooled:
                 dist.all_reduce(self.window_tokens, group=group)
             self.step_tokens += self.window_tokens
-            if windows_left:
-                extra = self.step_feedback * (self.step_tokens.mean() - self.step_tokens) / windows_left
-            else:
-                self.step_tokens.zero_()
+            extra = self.step_feedback * (self.step_tokens.mean() - self.step_tokens) / windows_left
+        elif self.step_feedback:  # after the optimizer step: the next step's counts start from 0
+            self.step_tokens.zero_()
         if self.estimator == "exact":
             r = torch.cat(self._r)
             if pooled:
