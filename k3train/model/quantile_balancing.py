@@ -65,6 +65,15 @@ def histogram_bias(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, 
     return b - b.mean()
 
 
+def _all_reduce_counts_and_tokens(counts: torch.Tensor, tokens: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Pool the histogram counts [n, B] (int64) and the window's routed tokens [n] (whole numbers in fp32) in one
+    all-reduce."""
+    flat = torch.cat([counts.flatten(), tokens.long()])
+    dist.all_reduce(flat, group=group)
+    counts.copy_(flat[:counts.numel()].view_as(counts))
+    tokens.copy_(flat[counts.numel():])
+
+
 class QuantileBalancer(nn.Module):
     """Per-layer QB state. ``observe`` routing stats each micro-batch; ``update`` once per step.
 
@@ -131,10 +140,15 @@ class QuantileBalancer(nn.Module):
         if not self.observed:
             return
         pooled = group is not None and dist.get_world_size(group) > 1
+        feedback = bool(self.step_feedback and windows_left)
+        if pooled and self.estimator == "histogram" and feedback:  # one all-reduce a layer, as without feedback
+            _all_reduce_counts_and_tokens(self.counts, self.window_tokens, group)
+        elif pooled and self.estimator == "histogram":
+            dist.all_reduce(self.counts, group=group)
+        elif pooled and feedback:
+            dist.all_reduce(self.window_tokens, group=group)
         extra = None
-        if self.step_feedback and windows_left:
-            if pooled:
-                dist.all_reduce(self.window_tokens, group=group)
+        if feedback:
             self.step_tokens += self.window_tokens
             extra = self.step_feedback * (self.step_tokens.mean() - self.step_tokens) / windows_left
         elif self.step_feedback:  # after the optimizer step: the next step's counts start from 0
@@ -148,8 +162,6 @@ class QuantileBalancer(nn.Module):
             new = exact_bias(r, self.top_k, extra)
         else:
             counts = self.counts
-            if pooled:
-                dist.all_reduce(counts, group=group)
             tokens = counts[0].sum()  # every token lands in one bin of every expert's row
             q = target_load(tokens, self.top_k, self.num_experts)
             if extra is not None:
