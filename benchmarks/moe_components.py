@@ -90,6 +90,14 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
         rows.append(dict(product=product, how=how, M=m, K=k, N=n, ms=ms, TFLOPs=2 * m * k * n / ms / 1e9,
                          timed_by=timed_by))
 
+    def cutlass_rows(product, ours, want, m, k, n):
+        """``ours(i)`` for each kernels.grouped_gemm_sm90 configuration i (where its library is built): checked
+        against ``want``, then timed."""
+        for i, config in enumerate(grouped_gemm_sm90.CONFIGS if grouped_gemm_sm90.available() else ()):
+            err = float((ours(i).float() - want.float()).abs().max() / want.float().abs().max())
+            assert err <= 1e-2, f"{product}, CUTLASS {config.name}: {err:.2g} from the layer's own product"
+            row(product, f"CUTLASS {config.name}", lambda: ours(i), m, k, n)
+
     for name, (a, b) in grouped.items():
         K, N = b.shape[1], b.shape[2]
         slices = [b[..., j:j + 128] for j in range(0, N, 128)]
@@ -101,11 +109,7 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
             M, K, N)
         dense_b = b[0].contiguous() if b[0].stride(-1) == 1 else b[0].t().contiguous().t()  # b's layout
         row(name, "dense torch.mm", lambda: a @ dense_b, M, K, N)
-        for i, config in enumerate(grouped_gemm_sm90.CONFIGS if grouped_gemm_sm90.available() else ()):
-            ours = grouped_gemm_sm90.grouped_mm(a, b, offsets, i)
-            err = float((ours.float() - whole.float()).abs().max() / whole.float().abs().max())
-            assert err <= 1e-2, f"{name}, CUTLASS {config.name}: {err:.2g} from torch._grouped_mm"
-            row(name, f"CUTLASS {config.name}", lambda: grouped_gemm_sm90.grouped_mm(a, b, offsets, i), M, K, N)
+        cutlass_rows(name, lambda i: grouped_gemm_sm90.grouped_mm(a, b, offsets, i), whole, M, K, N)
     for name, (g, inp) in {"W13 wgrad": (d_gu, x), "W2 wgrad": (dy, h)}.items():
         O, C = g.shape[1], inp.shape[1]
         # [O, M] x [M, C]: the rows are the reduction dimension here
@@ -113,11 +117,7 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
         row(name, "aten (autograd's)", lambda: wgrad_reference.grouped_wgrad_aten(g, inp, offsets), O, M, C)
         row(name, "dense torch.mm", lambda: g.t() @ inp, O, M, C)
         want = grouped_wgrad(g, inp, offsets)
-        for i, config in enumerate(grouped_gemm_sm90.CONFIGS if grouped_gemm_sm90.available() else ()):
-            ours = grouped_gemm_sm90.grouped_wgrad(g, inp, offsets, i)
-            err = float((ours.float() - want.float()).abs().max() / want.float().abs().max())
-            assert err <= 1e-2, f"{name}, CUTLASS {config.name}: {err:.2g} from kernels.grouped_wgrad"
-            row(name, f"CUTLASS {config.name}", lambda: grouped_gemm_sm90.grouped_wgrad(g, inp, offsets, i), O, M, C)
+        cutlass_rows(name, lambda i: grouped_gemm_sm90.grouped_wgrad(g, inp, offsets, i), want, O, M, C)
     return rows
 
 

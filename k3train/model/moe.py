@@ -252,7 +252,8 @@ class LatentMoE(nn.Module):
             windows_left, self._windows_done = None, 0
         else:
             self._windows_done += 1
-            windows_left = max(1, self.qb_updates_per_step - self._windows_done)  # ≥ 1 even off the trainer's schedule
+            # ≥ 1 even off the trainer's schedule
+            windows_left = max(1, self.qb_updates_per_step - self._windows_done)
         if after_optimizer_step and self.router_inputs:
             self.balancer.reset()
             for x in self.router_inputs:
