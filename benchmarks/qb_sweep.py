@@ -87,7 +87,7 @@ class OracleRecorder:
         self.micro: list[torch.Tensor] = []  # [actual, fitted] per micro-batch
         self.active = True
         self._in_update = False
-        balancer, update_bias = layer.balancer, layer.update_bias
+        balancer, prepare = layer.balancer, layer.prepare_bias_update
 
         @torch.compiler.disable
         def observe(scores, cutoff, bias, tokens_per_expert=None):
@@ -98,14 +98,14 @@ class OracleRecorder:
                 self.scores.append(scores)
             return type(balancer).observe(balancer, scores, cutoff, bias, tokens_per_expert)
 
-        def update(*args, **kwargs):
+        def prepare_update(*args, **kwargs):  # re-scoring observes: not the forward's scores
             self._in_update = True
             try:
-                return update_bias(*args, **kwargs)
+                return prepare(*args, **kwargs)
             finally:
                 self._in_update = False
 
-        balancer.observe, layer.update_bias = observe, update
+        balancer.observe, layer.prepare_bias_update = observe, prepare_update
         self.layer = layer
 
     def pop(self) -> dict | None:

@@ -514,8 +514,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
         if moe:
             tokens = torch.stack([layer.load.tokens for layer in moe])
             loads.append((tokens.amax(1) / tokens.mean(1).clamp(min=1e-9)).max())
+        moe_module.update_router_biases(moe, groups.dp_cp if groups else None)
         for layer in moe:
-            layer.update_bias(groups.dp_cp if groups else None)
             layer.load.reset()
         t.append(("qb", tick()))
         ticks.append(t)

@@ -23,7 +23,7 @@ from k3train.config.schema import ModelConfig
 from k3train.model.expert_load import ExpertLoad
 from k3train.model.mlp import SiTUMLP, situ_glu
 from k3train.model.norm import RMSNorm
-from k3train.model.quantile_balancing import QuantileBalancer
+from k3train.model.quantile_balancing import QuantileBalancer, update_biases
 from k3train.model.replay import replaying
 from k3train.model.roles import Kind, ParamRole, set_role
 from k3train.model.router import SigmoidRouter
@@ -238,16 +238,21 @@ class LatentMoE(nn.Module):
         y = self.shared_experts(x) + self.routed_expert_up_proj(self.routed_expert_norm(u))
         return y.view(shape)
 
-    @torch.no_grad()
     def update_bias(self, group: dist.ProcessGroup | None = None, after_optimizer_step: bool = True) -> None:
-        """Quantile Balancing from the micro-batches since the last update, pooled over ``group``.
+        """Quantile Balancing from the micro-batches since the last update, pooled over ``group``
+        (``update_router_biases`` for this layer alone)."""
+        update_router_biases([self], group, after_optimizer_step)
 
-        Within a step (``after_optimizer_step=False``) it uses the forward's scores: the weights have
+    @torch.no_grad()
+    def prepare_bias_update(self, after_optimizer_step: bool) -> int | None:
+        """The layer's part of an update before the pooling; returns the windows of the step left to route
+        (None after the optimizer step).
+
+        Within a step (``after_optimizer_step=False``) the update uses the forward's scores: the weights have
         not moved; with ``model.qb_step_feedback`` it also steers the step's running counts (the windows
         left are ``qb_updates_per_step`` less the updates so far). After the optimizer step, with re-scoring
-        on, the kept router inputs are scored by the updated router instead.
+        on, the kept router inputs are scored here by the updated router instead.
         """
-        bias = self.gate.e_score_correction_bias
         if after_optimizer_step:
             windows_left, self._windows_done = None, 0
         else:
@@ -258,6 +263,16 @@ class LatentMoE(nn.Module):
             self.balancer.reset()
             for x in self.router_inputs:
                 routing = self.gate(x)
-                self.balancer.observe(routing.scores, routing.cutoff, bias)
+                self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
         self.router_inputs.clear()
-        self.balancer.update(bias, group, windows_left)
+        return windows_left
+
+
+@torch.no_grad()
+def update_router_biases(layers: list[LatentMoE], group: dist.ProcessGroup | None = None,
+                         after_optimizer_step: bool = True) -> None:
+    """Quantile Balancing of every layer in ``layers`` (``LatentMoE.prepare_bias_update``, then
+    ``quantile_balancing.update_biases``): one all-reduce over ``group`` for all of them."""
+    windows = [layer.prepare_bias_update(after_optimizer_step) for layer in layers]
+    update_biases([(layer.balancer, layer.gate.e_score_correction_bias, left) for layer, left in zip(layers, windows)],
+                  group)

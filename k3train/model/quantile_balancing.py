@@ -15,9 +15,12 @@ window's, is steered to balance. Causal: it uses only windows already routed.
 Two estimators share one interface (``observe`` per micro-batch, ``update`` per step):
 
 - ``ExactQuantile`` keeps every r (tests and tiny runs; DP ranks all-gather);
-- ``HistogramQuantile`` scatter-adds r into B bins on [b_min − 1, b_max + 1] (integer counts,
-  one all-reduce per layer per step) and reads each expert's quantile off the cumulative
-  counts with linear interpolation inside the bin. Error ≤ one bin width.
+- ``HistogramQuantile`` scatter-adds r into B bins on [b_min − 1, b_max + 1] (integer counts)
+  and reads each expert's quantile off the cumulative counts with linear interpolation inside
+  the bin. Error ≤ one bin width.
+
+``update_biases`` updates many layers with one all-reduce for all of them (their counts and
+feedback tokens in one flat tensor): one collective an update, whatever the depth.
 """
 
 from __future__ import annotations
@@ -63,15 +66,6 @@ def histogram_bias(counts: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, 
     b = lo.double() + (bin_idx.double() + frac) * width.double()
     b = b.float()
     return b - b.mean()
-
-
-def _all_reduce_counts_and_tokens(counts: torch.Tensor, tokens: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Pool the histogram counts [n, B] (int64) and the window's routed tokens [n] (whole numbers in fp32) in one
-    all-reduce."""
-    flat = torch.cat([counts.flatten(), tokens.long()])
-    dist.all_reduce(flat, group=group)
-    counts.copy_(flat[:counts.numel()].view_as(counts))
-    tokens.copy_(flat[counts.numel():])
 
 
 class QuantileBalancer(nn.Module):
@@ -131,31 +125,45 @@ class QuantileBalancer(nn.Module):
             return
         histogram_add(self.counts, scores, cutoff, *self._grid(bias))  # one fused kernel on the GPU
 
+    def _feedback(self, windows_left: int | None) -> bool:
+        return bool(self.step_feedback and windows_left)
+
+    def pooled_stats(self, windows_left: int | None) -> torch.Tensor:
+        """What ``update`` pools over the data-parallel group, flat int64: the histogram counts [n·B] and, with
+        step feedback within the step, the window's routed tokens [n] (whole numbers). Empty for the exact
+        estimator without feedback (it all-gathers its r instead)."""
+        parts = [self.counts.flatten()]
+        if self._feedback(windows_left):
+            parts.append(self.window_tokens.long())
+        return torch.cat(parts)
+
+    def load_pooled_stats(self, flat: torch.Tensor, windows_left: int | None) -> None:
+        """Write back ``pooled_stats``'s tensor after the all-reduce."""
+        self.counts.copy_(flat[:self.counts.numel()].view_as(self.counts))
+        if self._feedback(windows_left):
+            self.window_tokens.copy_(flat[self.counts.numel():])
+
     @torch.no_grad()
     def update(self, bias: torch.Tensor, group: dist.ProcessGroup | None = None,
                windows_left: int | None = None) -> None:
         """Compute the new bias from this step's stats (pooled over ``group``) and write it in place.
         ``windows_left``: the windows of the step still to route (an update within the step, which step
         feedback steers); None after the optimizer step (the step's counts start again)."""
-        if not self.observed:
-            return
-        pooled = group is not None and dist.get_world_size(group) > 1
-        feedback = bool(self.step_feedback and windows_left)
-        if pooled and self.estimator == "histogram" and feedback:  # one all-reduce a layer, as without feedback
-            _all_reduce_counts_and_tokens(self.counts, self.window_tokens, group)
-        elif pooled and self.estimator == "histogram":
-            dist.all_reduce(self.counts, group=group)
-        elif pooled and feedback:
-            dist.all_reduce(self.window_tokens, group=group)
+        update_biases([(self, bias, windows_left)], group)
+
+    @torch.no_grad()
+    def _update_from_pooled(self, bias: torch.Tensor, group: dist.ProcessGroup | None,
+                            windows_left: int | None) -> None:
+        """``update`` once ``pooled_stats`` holds the group's sums (the exact estimator gathers its r here)."""
         extra = None
-        if feedback:
+        if self._feedback(windows_left):
             self.step_tokens += self.window_tokens
             extra = self.step_feedback * (self.step_tokens.mean() - self.step_tokens) / windows_left
         elif self.step_feedback:  # after the optimizer step: the next step's counts start from 0
             self.step_tokens.zero_()
         if self.estimator == "exact":
             r = torch.cat(self._r)
-            if pooled:
+            if group is not None and dist.get_world_size(group) > 1:
                 parts = [torch.empty_like(r) for _ in range(dist.get_world_size(group))]
                 dist.all_gather(parts, r, group=group)
                 r = torch.cat(parts)
@@ -180,3 +188,21 @@ class QuantileBalancer(nn.Module):
         self.counts.zero_()
         self.window_tokens.zero_()
         self.observed = False
+
+
+@torch.no_grad()
+def update_biases(updates: list[tuple[QuantileBalancer, torch.Tensor, int | None]],
+                  group: dist.ProcessGroup | None = None) -> None:
+    """``QuantileBalancer.update`` for many layers, (balancer, bias, windows_left) each, with one all-reduce over
+    ``group`` for all of them: their histogram counts and step-feedback tokens in one flat int64 tensor. Layers
+    with nothing observed since their last update are left as they are."""
+    updates = [u for u in updates if u[0].observed]
+    if group is not None and dist.get_world_size(group) > 1:
+        stats = [qb.pooled_stats(left) for qb, _, left in updates]
+        flat = torch.cat(stats)
+        if flat.numel():
+            dist.all_reduce(flat, group=group)
+        for (qb, _, left), part in zip(updates, flat.split([t.numel() for t in stats])):
+            qb.load_pooled_stats(part, left)
+    for qb, bias, left in updates:
+        qb._update_from_pooled(bias, group, left)

@@ -38,6 +38,7 @@ from k3train.config.schema import K3Config
 from k3train.config.validate import precision_dtypes
 from k3train.data.batches import batch_to_device
 from k3train.model.k3 import K3Model
+from k3train.model.moe import update_router_biases
 from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
@@ -197,8 +198,7 @@ class Trainer:
             return PipelineSchedule(self.model, self.chunks, self.groups.pp, self.device, autocast)
 
         def qb_within_step():  # model.qb_updates_per_step > 1
-            for layer in self.model.moe_layers():
-                layer.update_bias(self.groups.dp_cp, after_optimizer_step=False)
+            update_router_biases(self.model.moe_layers(), self.groups.dp_cp, after_optimizer_step=False)
 
         return MicroBatchLoop(self._forward, self.device, self.cfg.model.qb_updates_per_step, qb_within_step,
                               before_last_backward=self.grads.last_backward)
@@ -289,8 +289,7 @@ class Trainer:
                 qk_clip = apply_qk_clip(self.model, self.cfg.optim.qk_clip_tau, group=self.groups.dp_cp)
             if not skipped:
                 self.main.sync_model()  # before re-scoring the router inputs with the updated router
-            for layer in moe:
-                layer.update_bias(self.groups.dp_cp)
+            update_router_biases(moe, self.groups.dp_cp)
         # Timed steps: the GPU timeline of this step (one wait, here). Others leave the optimizer's kernels
         # queued while the host starts the next step (the guard's read waits); their host time is a floor.
         elapsed, phase_times = timer.finish()

@@ -95,7 +95,7 @@ def test_update_only_affects_the_next_step():
 
 def _moe(**overrides) -> LatentMoE:
     torch.manual_seed(4)
-    return LatentMoE(ModelConfig(qb_estimator="exact", init_std=0.2, **overrides), TPSpec(None, 0.2)).train()
+    return LatentMoE(ModelConfig(**{"qb_estimator": "exact", "init_std": 0.2, **overrides}), TPSpec(None, 0.2)).train()
 
 
 def _cutoff_residuals(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
@@ -204,3 +204,44 @@ def test_step_feedback_moves_ranks_by_the_steps_running_deficit(estimator):
     plain.update(got_plain)
     torch.testing.assert_close(after_step, got_plain)
     assert not fed.step_tokens.any()
+
+
+@pytest.mark.parametrize("estimator", ["exact", "histogram"])
+def test_every_layers_update_pools_in_one_all_reduce(monkeypatch, estimator):
+    """``update_router_biases`` over three layers makes one all-reduce (histograms and step-feedback tokens of
+    all of them, one flat tensor). Two identical ranks (the all-reduce doubles every count) give the bias of
+    one rank: each quantile's rank doubles with its counts (exactly for the exact estimator; the histogram's grid
+    follows the bias, so a last-bit difference after the first window may move an r across a bin edge: one bin
+    width)."""
+    from k3train.model import quantile_balancing
+    from k3train.model.moe import update_router_biases
+
+    def layers():
+        stack = [_moe(qb_estimator=estimator, qb_updates_per_step=3, qb_step_feedback=1.0) for _ in range(3)]
+        torch.manual_seed(5)
+        for _ in range(2):  # two windows of a step: the second update also steers the first's counts
+            for layer in stack:
+                layer(torch.randn(2, 12, 64))
+            yield stack
+
+    alone = []
+    for stack in layers():
+        update_router_biases(stack, None, after_optimizer_step=False)
+        alone.append([layer.gate.e_score_correction_bias.clone() for layer in stack])
+
+    calls = []
+
+    def doubling_all_reduce(t, group=None):
+        calls.append(t.numel())
+        t.mul_(2)
+
+    monkeypatch.setattr(quantile_balancing.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(quantile_balancing.dist, "all_reduce", doubling_all_reduce)
+    monkeypatch.setattr(quantile_balancing.dist, "all_gather", lambda parts, t, group=None: [p.copy_(t) for p in parts])
+    for window, stack in enumerate(layers()):
+        update_router_biases(stack, object(), after_optimizer_step=False)
+        for layer, want in zip(stack, alone[window]):
+            width = float(want.max() - want.min() + 2) / 1000 if estimator == "histogram" else 0.0
+            torch.testing.assert_close(layer.gate.e_score_correction_bias, want, rtol=0, atol=width + 1e-6)
+    bins = 1000 if estimator == "histogram" else 0
+    assert calls == [3 * (8 * bins + 8)] * 2  # one a window: 3 layers' counts [8, bins] and tokens [8]
