@@ -14,8 +14,10 @@
 torch 2.11 builds one CUTLASS pointer-array kernel for this with its configuration fixed by the group sizes
 (cooperative 128×256×64 tiles in 2×1 clusters at the experts' sizes); ``CONFIGS`` here are the ones
 ``grouped_gemm.cu`` instantiates, to measure which suits K = 256–512 (``benchmarks/moe_components.py
---gemm-products``). Experimental: the model runs it only where ``RoutedExperts.grouped_gemm`` names a
-configuration (``benchmarks/moe.py --grouped-gemms``).
+--gemm-products``). Measured on one H200 (docs/moe_notes.md §2, session 24): on the forward and dgrad products
+none beats torch's by more than 2%; the wgrad beats ``kernels.grouped_wgrad`` by 13–18% under natural routing
+and loses under skewed routing (one CTA runs an overloaded expert's whole K). Experimental: the model runs it
+only where ``RoutedExperts.grouped_gemm`` names a configuration (``benchmarks/moe.py --grouped-gemms``).
 
 ``grouped_mm_op`` and ``grouped_wgrad_op`` are the same as the custom ops ``k3::grouped_mm_sm90`` and
 ``k3::grouped_wgrad_sm90`` (with fakes for torch.compile).
