@@ -61,13 +61,16 @@ class ModelConfig:
     # weights after the optimizer step, and estimate the next bias from those scores
     # (docs/moe_notes.md). Memory: d values per kept token per MoE layer. 0: the forward's scores.
     qb_rescore_stride: int = 0
-    # Bias updates per optimizer step: 1 = once, after the step (as published); U > 1 also after
-    # every n/U of the step's n micro-batches, from their forward scores. U must divide n.
-    qb_updates_per_step: int = 1
-    # Step feedback g (k3train/model/quantile_balancing.py): with qb_updates_per_step > 1, each update within
-    # the step also steers the step's running per-expert counts back to their mean (g = 1: in equal parts
-    # over the windows left). 0: each window is balanced on its own.
-    qb_step_feedback: float = 0.0
+    # Bias updates per optimizer step on a rank: U = 1 once, after the step (as published); U > 1 also
+    # after every n/U of the rank's n micro-batches, from their forward scores (U must divide n); 0 (the
+    # default): after every micro-batch, U = n (once a step under pipeline parallelism, whose schedule
+    # interleaves the micro-batches). Under data parallelism the windows pool the ranks' micro-
+    # batches, so a fixed U routes alike at any DP size and 0 does not (docs/moe_notes.md §3, §5).
+    qb_updates_per_step: int = 0
+    # Step feedback g (k3train/model/quantile_balancing.py): each update within the step also steers the
+    # step's running per-expert counts back to their mean (g = 1: in equal parts over the windows left).
+    # 0: each window is balanced on its own. No effect with one update a step.
+    qb_step_feedback: float = 0.5
 
     rms_norm_eps: float = 1e-5
     init_std: float = 0.006
@@ -83,6 +86,10 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_k_dense
+
+    def qb_windows(self, micro_batches: int) -> int:
+        """Quantile Balancing's bias updates a step (windows) on a rank that runs ``micro_batches`` a step."""
+        return self.qb_updates_per_step or micro_batches
 
 
 @dataclass

@@ -56,9 +56,6 @@ def validate_model(m: ModelConfig, tp: int = 1, ep: int = 1) -> None:
     _need(0.0 <= m.qb_ema < 1.0, f"model.qb_ema={m.qb_ema} must be in [0, 1)")
     _need(0.0 <= m.qb_step_feedback <= 4.0, f"model.qb_step_feedback={m.qb_step_feedback} must be in [0, 4] "
                                             f"(0 turns it off, 1 corrects over the windows left)")
-    _need(m.qb_step_feedback == 0.0 or m.qb_updates_per_step > 1,
-          f"model.qb_step_feedback={m.qb_step_feedback} acts only between the updates within a step: set "
-          f"model.qb_updates_per_step > 1 (e.g. the micro-batches of a step) or model.qb_step_feedback=0")
     _need(m.qb_rescore_stride >= 0, f"model.qb_rescore_stride={m.qb_rescore_stride} must be >= 0 "
                                     f"(0 = the forward's scores, s = re-score every s-th position)")
     for name in ("kda_num_heads", "mla_num_heads", "vocab_size", "dense_intermediate_size",
@@ -143,13 +140,14 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
           f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of {t.micro_batch_size * dp}")
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
     u = cfg.model.qb_updates_per_step
-    _need(u >= 1 and n_micro % u == 0,
+    _need(u == 0 or (u >= 1 and n_micro % u == 0),
           f"model.qb_updates_per_step={u} must divide the {n_micro} micro-batches of a step (train.global_batch_"
-          f"size / (train.micro_batch_size x data-parallel size {dp})); use a divisor of {n_micro}, e.g. 1")
+          f"size / (train.micro_batch_size x data-parallel size {dp})); use a divisor of {n_micro}, or 0 (after "
+          f"every micro-batch)")
     if p.pipeline > 1:
-        _need(u == 1, f"model.qb_updates_per_step={u}: under parallel.pipeline={p.pipeline} the micro-batches of a "
+        _need(u <= 1, f"model.qb_updates_per_step={u}: under parallel.pipeline={p.pipeline} the micro-batches of a "
                       f"step interleave across stages, so Quantile Balancing updates once per step; set "
-                      f"model.qb_updates_per_step=1")
+                      f"model.qb_updates_per_step=1 (0, the default, also means once a step there)")
         _need(p.virtual_stages == 1 or n_micro % p.pipeline == 0,
               f"the {n_micro} micro-batches of a step (train.global_batch_size / (train.micro_batch_size x data-"
               f"parallel size {dp})) are not a multiple of parallel.pipeline={p.pipeline}, which the interleaved "

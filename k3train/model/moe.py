@@ -180,8 +180,8 @@ class LatentMoE(nn.Module):
     """Input/output [B, T, d]. ``load`` counts tokens per expert over the step's micro-batches.
 
     Quantile Balancing (``update_bias``) sets the router bias from the micro-batches routed since the
-    last update: once per step as published, or also within the step (``qb_updates_per_step``, the
-    trainer's call). With ``qb_rescore_stride = s > 0`` the router inputs at every s-th position of
+    last update: after the optimizer step, and (the trainer's call, ``model.qb_updates_per_step``) also within
+    the step. With ``qb_rescore_stride = s > 0`` the router inputs at every s-th position of
     every sequence are kept, and the update after the optimizer step scores them again with the
     updated router (same tokens, new weights); with s = 0 it uses the forward's scores. Either way a
     bias never routes the tokens it was estimated from, and the pooled token set does not depend on
@@ -205,8 +205,6 @@ class LatentMoE(nn.Module):
                                       cfg.situ_beta, cfg.situ_linear_beta)
         self.balancer = QuantileBalancer(cfg.num_experts, cfg.num_experts_per_token, cfg.qb_estimator,
                                          cfg.qb_bins, cfg.qb_ema, cfg.qb_step_feedback)
-        self.qb_updates_per_step = cfg.qb_updates_per_step
-        self._windows_done = 0  # updates within the current step so far
         self.qb_rescore_stride = cfg.qb_rescore_stride
         self.router_inputs: list[torch.Tensor] = []  # [tokens, d] per micro-batch, detached
         self.load = ExpertLoad(cfg.num_experts)
@@ -238,41 +236,34 @@ class LatentMoE(nn.Module):
         y = self.shared_experts(x) + self.routed_expert_up_proj(self.routed_expert_norm(u))
         return y.view(shape)
 
-    def update_bias(self, group: dist.ProcessGroup | None = None, after_optimizer_step: bool = True) -> None:
+    def update_bias(self, group: dist.ProcessGroup | None = None, windows_left: int | None = None) -> None:
         """Quantile Balancing from the micro-batches since the last update, pooled over ``group``
         (``update_router_biases`` for this layer alone)."""
-        update_router_biases([self], group, after_optimizer_step)
+        update_router_biases([self], group, windows_left)
 
     @torch.no_grad()
-    def prepare_bias_update(self, after_optimizer_step: bool) -> int | None:
-        """The layer's part of an update before the pooling; returns the windows of the step left to route
-        (None after the optimizer step).
+    def prepare_bias_update(self, windows_left: int | None) -> None:
+        """The layer's part of an update before the pooling.
 
-        Within a step (``after_optimizer_step=False``) the update uses the forward's scores: the weights have
-        not moved; with ``model.qb_step_feedback`` it also steers the step's running counts (the windows
-        left are ``qb_updates_per_step`` less the updates so far). After the optimizer step, with re-scoring
-        on, the kept router inputs are scored here by the updated router instead.
+        Within a step (``windows_left``: the windows of the step still to route) the update uses the forward's
+        scores: the weights have not moved. After the optimizer step (None), with re-scoring on, the kept
+        router inputs are scored here by the updated router instead.
         """
-        if after_optimizer_step:
-            windows_left, self._windows_done = None, 0
-        else:
-            self._windows_done += 1
-            # ≥ 1 even off the trainer's schedule
-            windows_left = max(1, self.qb_updates_per_step - self._windows_done)
-        if after_optimizer_step and self.router_inputs:
+        if windows_left is None and self.router_inputs:
             self.balancer.reset()
             for x in self.router_inputs:
                 routing = self.gate(x)
                 self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
         self.router_inputs.clear()
-        return windows_left
 
 
 @torch.no_grad()
 def update_router_biases(layers: list[LatentMoE], group: dist.ProcessGroup | None = None,
-                         after_optimizer_step: bool = True) -> None:
+                         windows_left: int | None = None) -> None:
     """Quantile Balancing of every layer in ``layers`` (``LatentMoE.prepare_bias_update``, then
-    ``quantile_balancing.update_biases``): one all-reduce over ``group`` for all of them."""
-    windows = [layer.prepare_bias_update(after_optimizer_step) for layer in layers]
-    update_biases([(layer.balancer, layer.gate.e_score_correction_bias, left) for layer, left in zip(layers, windows)],
-                  group)
+    ``quantile_balancing.update_biases``): one all-reduce over ``group`` for all of them. ``windows_left``:
+    None after the optimizer step; within a step, the windows (groups of micro-batches) still to route, which
+    step feedback spreads the step's running per-expert deficit over."""
+    for layer in layers:
+        layer.prepare_bias_update(windows_left)
+    update_biases([(layer.balancer, layer.gate.e_score_correction_bias, windows_left) for layer in layers], group)

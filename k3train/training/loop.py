@@ -5,8 +5,8 @@ One optimizer step:
         loss = model(tokens, position_ids, labels, loss_mask) / n_micro ; loss.backward()
         (``MicroBatchLoop``; under parallel.pipeline > 1 the 1F1B ``PipelineSchedule`` runs them
         through the stages and reports the step's loss on every stage)
-        (model.qb_updates_per_step > 1: Quantile Balancing also between groups of micro-batches, steering
-        the step's running per-expert counts with model.qb_step_feedback > 0)
+        (Quantile Balancing also between the micro-batches, by default after every one: model.qb_updates_per_step;
+        steering the step's running per-expert counts: model.qb_step_feedback)
     average gradients over DP×CP (overlapped with the last backward); ‖g‖ over TP, EP and PP; clip;
         optimizer.step() on the main weights; scheduler.step()
     QK-clip (Muon recipe) rescales the main weights of MLA heads whose max logit exceeded τ
@@ -197,10 +197,17 @@ class Trainer:
 
             return PipelineSchedule(self.model, self.chunks, self.groups.pp, self.device, autocast)
 
-        def qb_within_step():  # model.qb_updates_per_step > 1
-            update_router_biases(self.model.moe_layers(), self.groups.dp_cp, after_optimizer_step=False)
+        def qb_within_step(windows_left: int):  # the bias updates within the step (model.qb_updates_per_step)
+            update_router_biases(self.model.moe_layers(), self.groups.dp_cp, windows_left)
 
-        return MicroBatchLoop(self._forward, self.device, self.cfg.model.qb_updates_per_step, qb_within_step,
+        windows = self.cfg.model.qb_windows(self.n_micro)
+        if self.groups.is_main and self.moe_layer_ids:
+            m = self.cfg.model
+            print(f"Quantile Balancing: {windows} bias update(s) a step, one every {self.n_micro // windows} micro-"
+                  f"batch(es), the last after the optimizer step; step feedback {m.qb_step_feedback if windows > 1 else 0}"
+                  f"{', re-scored' if m.qb_rescore_stride else ''} (model.qb_updates_per_step, model.qb_step_feedback,"
+                  f" model.qb_rescore_stride)", flush=True)
+        return MicroBatchLoop(self._forward, self.device, windows, qb_within_step,
                               before_last_backward=self.grads.last_backward)
 
     def _maybe_resume(self) -> None:

@@ -2,7 +2,7 @@
 parallel.pipeline = 1 (``k3train.parallel.pipeline.runtime.PipelineSchedule`` is the other one).
 
     for i, batch in enumerate(batches): loss_i = forward(batch); (loss_i / m).backward()
-    every m/U micro-batches (but not after the last): after_window()   (model.qb_updates_per_step = U)
+    after every m/U micro-batches but the last: after_window(windows left)   (U windows a step)
 
 ``before_last_backward`` runs just before the last backward (the gradient buffers start their
 data-parallel all-reduces during it: ``GradBuffers.last_backward``).
@@ -17,7 +17,7 @@ import torch
 
 class MicroBatchLoop:
     def __init__(self, forward: Callable[[dict], torch.Tensor], device: torch.device,
-                 windows: int = 1, after_window: Callable[[], None] = lambda: None,
+                 windows: int = 1, after_window: Callable[[int], None] = lambda windows_left: None,
                  before_last_backward: Callable[[], None] = lambda: None):
         self.forward, self.device, self.windows, self.after_window = forward, device, windows, after_window
         self.before_last_backward = before_last_backward
@@ -34,7 +34,7 @@ class MicroBatchLoop:
             (loss / n).backward()
             loss_sum += loss.detach()
             if micro % window == 0 and micro < n:
-                self.after_window()
+                self.after_window(self.windows - micro // window)
         return loss_sum
 
     @torch.no_grad()

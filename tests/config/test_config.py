@@ -12,7 +12,7 @@ import pytest
 
 from k3train.config.load import load_config
 from k3train.config.param_count import count_params
-from k3train.config.schema import K3Config
+from k3train.config.schema import K3Config, ModelConfig
 from k3train.config.validate import ConfigError, k3_mla_layers, validate
 from k3train.model.k3 import K3Model
 from k3train.model.roles import Kind, get_role
@@ -84,7 +84,7 @@ def _cfg(**sections) -> K3Config:
     ({"parallel": {"tensor": 2, "expert_tensor": 2}}, 3, "parallel.tensor"),
     ({"model": {"qb_updates_per_step": 3}}, 1, "model.qb_updates_per_step"),  # 16 / 4 = 4 micro-batches
     ({"model": {"qb_rescore_stride": -1}}, 1, "model.qb_rescore_stride"),
-    ({"model": {"qb_step_feedback": 1.0}}, 1, "model.qb_step_feedback=1.0 acts only between the updates"),
+    ({"model": {"qb_updates_per_step": -1}}, 1, "model.qb_updates_per_step=-1 must divide"),
     ({"model": {"qb_step_feedback": -0.5, "qb_updates_per_step": 2}}, 1, "model.qb_step_feedback=-0.5 must be"),
     ({"precision": {"recipe": "fp4"}}, 1, "precision.recipe"),
     ({"precision": {"recipe": "fp8_block"}, "train": {"device": "cpu"}}, 1, "precision.recipe"),
@@ -157,3 +157,13 @@ def test_optimizer_cuda_graph_is_on_where_it_applies():
     assert not captures_optimizer_step(None, "cuda", "muon", 2)
     assert not captures_optimizer_step(False, "cuda", "muon", 1)
     assert captures_optimizer_step(True, "cuda", "muon", 1)
+
+
+def test_quantile_balancing_updates_after_every_micro_batch_by_default():
+    """model.qb_updates_per_step = 0 (the default) is one window per micro-batch of the rank's step, whatever
+    their number; a fixed U stays U. Step feedback 0.5 is on by default (the README recipe)."""
+    m = ModelConfig()
+    assert m.qb_updates_per_step == 0 and m.qb_step_feedback == 0.5
+    assert [m.qb_windows(n) for n in (1, 4, 8)] == [1, 4, 8]
+    assert ModelConfig(qb_updates_per_step=2).qb_windows(8) == 2
+    validate(K3Config(), world_size=1)  # 0 passes the divisibility check

@@ -148,12 +148,12 @@ def test_kept_router_inputs_and_residuals_are_copies(stride):
 
 def test_update_within_a_step_uses_the_forward_scores():
     """A within-step update (no optimizer step yet) pools the micro-batches since the last update."""
-    moe = _moe()
+    moe = _moe(qb_step_feedback=0.0)
     x = torch.randn(2, 12, 64)
     moe(x)
     with torch.no_grad():
         want = exact_bias(_cutoff_residuals(moe, x.reshape(-1, 64)), moe.gate.top_k)
-    moe.update_bias(after_optimizer_step=False)
+    moe.update_bias(windows_left=1)
     torch.testing.assert_close(moe.gate.e_score_correction_bias, want, rtol=0, atol=1e-6)
 
 
@@ -217,16 +217,16 @@ def test_every_layers_update_pools_in_one_all_reduce(monkeypatch, estimator):
     from k3train.model.moe import update_router_biases
 
     def layers():
-        stack = [_moe(qb_estimator=estimator, qb_updates_per_step=3, qb_step_feedback=1.0) for _ in range(3)]
+        stack = [_moe(qb_estimator=estimator, qb_step_feedback=1.0) for _ in range(3)]
         torch.manual_seed(5)
-        for _ in range(2):  # two windows of a step: the second update also steers the first's counts
+        for window in range(2):  # two windows of a step of three: the second update also steers the first's counts
             for layer in stack:
                 layer(torch.randn(2, 12, 64))
-            yield stack
+            yield 2 - window, stack
 
     alone = []
-    for stack in layers():
-        update_router_biases(stack, None, after_optimizer_step=False)
+    for left, stack in layers():
+        update_router_biases(stack, None, left)
         alone.append([layer.gate.e_score_correction_bias.clone() for layer in stack])
 
     calls = []
@@ -238,8 +238,8 @@ def test_every_layers_update_pools_in_one_all_reduce(monkeypatch, estimator):
     monkeypatch.setattr(quantile_balancing.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(quantile_balancing.dist, "all_reduce", doubling_all_reduce)
     monkeypatch.setattr(quantile_balancing.dist, "all_gather", lambda parts, t, group=None: [p.copy_(t) for p in parts])
-    for window, stack in enumerate(layers()):
-        update_router_biases(stack, object(), after_optimizer_step=False)
+    for window, (left, stack) in enumerate(layers()):
+        update_router_biases(stack, object(), left)
         for layer, want in zip(stack, alone[window]):
             width = float(want.max() - want.min() + 2) / 1000 if estimator == "histogram" else 0.0
             torch.testing.assert_close(layer.gate.e_score_correction_bias, want, rtol=0, atol=width + 1e-6)

@@ -3,7 +3,10 @@ loss and optimizer-metric comparisons they use."""
 
 import json
 
-STEPS = ["train.steps=6", "train.save_every=3", "train.log_every=1"]
+# One Quantile Balancing update a step: the default (after every micro-batch) routes differently when a layout
+# changes a rank's micro-batch count, so runs compared across layouts fix it (a later override wins: the
+# within-step updates have their own DP test, test_parallel_training.py).
+STEPS = ["train.steps=6", "train.save_every=3", "train.log_every=1", "model.qb_updates_per_step=1"]
 # Muon, and a QK-clip threshold some of k3_tiny's 6 MLA heads exceed (measured on one rank: all 6 at
 # step 1, then 3, 3, 3, 3, 1), so that the logged figures pool clipped heads from every rank.
 MUON = ["optim=muon", "optim.qk_clip_tau=0.003"]

@@ -2,8 +2,8 @@
 the embedded corpus, 200-step schedule), cut to 30 steps.
 
 Its recipe (docs/moe_notes.md §3): per-head Muon (the default optimizer), which leaves the unigram
-phase early; a QB update after every micro-batch (8 a step) with step feedback 0.5; and the end-of-step
-update from the router inputs re-scored by the updated router. Measured (session 23, ``benchmarks/qb_sweep.py``
+phase early; a QB update after every micro-batch (8 a step) with step feedback 0.5 (both the defaults);
+and the end-of-step update from the router inputs re-scored by the updated router (the script's one QB override). Measured (session 23, ``benchmarks/qb_sweep.py``
 with this recipe, 100 steps): worst layer median 1.10 over steps 11–100, at most 1.16 to step 30 and 1.34 to
 step 100 (without step feedback: median 1.19, at most 1.39). Muon with one update a step sits at 1.4–4 over
 steps 10–30, AdamW at 2–4.
