@@ -2,9 +2,9 @@
 after another in one process, and compare the step-pooled expert load and the loss.
 
     python benchmarks/qb_sweep.py --steps 50 --base "model=k3_bench_1b train.steps=300 \\
-        train.global_batch_size=4 train.micro_batch_size=2 data.seq_len=2048" \\
-        published: rescored:model.qb_rescore_stride=1 muon:optim=muon \\
-        "muon_balanced:optim=muon,train.micro_batch_size=1,model.qb_updates_per_step=4,model.qb_rescore_stride=1"
+        train.global_batch_size=48 train.micro_batch_size=8 data.seq_len=4096" \\
+        defaults: rescored:model.qb_rescore_stride=1 feedback1:model.qb_step_feedback=1.0 \\
+        published:model.qb_updates_per_step=1 adamw:optim=adamw
 
 A variant is ``TAG:override,override,...`` on top of ``--base`` (Hydra overrides). Each runs
 ``Trainer.train_step`` for ``--steps`` steps (no checkpoints, no eval) with the schedule of the base
