@@ -4,7 +4,8 @@
     python benchmarks/train_step.py --model k3_tiny --batch 1 --seq 256 --steps 2 --warmup 1   # CPU smoke run
 
 One step = forward + backward of ``--accum`` micro-batches (default 1) under bf16 autocast, + the
-optimizer + Quantile Balancing (the trainer's per-step bias update). ``--data`` picks the rows:
+optimizer + Quantile Balancing (the trainer's bias updates: after the optimizer step and, by the model's
+default ``qb_updates_per_step``, after every micro-batch but the last). ``--data`` picks the rows:
 
 * ``random`` (the default): one batch of uniformly random tokens, the same rows every micro-batch, each
   row one document, or with ``--mean-doc`` packed with documents as the trainer's data packs them (MLA's
@@ -473,6 +474,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
     ticks: list[list] = []
     loads: list[torch.Tensor] = []  # per step: the worst layer's step-pooled expert load max/mean (on the device)
     drawn = (args.warmup - warmup) * args.accum  # micro-batches drawn from ``batches`` (cycled)
+    qb_group = groups.dp_cp if groups else None
+    windows = cfg.qb_windows(args.accum)  # Quantile Balancing's updates a step, as the trainer's loop makes them
     compiled_mode = None  # set once the layers are compiled
 
     def tick():
@@ -504,6 +507,10 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
             (loss / args.accum).backward()
             total = total + loss.detach() / args.accum
             t.append(("backward", tick()))
+            done = (i + 1) * windows // args.accum  # windows routed so far
+            if (i + 1) * windows % args.accum == 0 and done < windows:
+                moe_module.update_router_biases(moe, qb_group, windows - done)
+                t.append(("qb", tick()))
         grads.reduce()  # the all-reduces' tail, the division
         t.append(("comm", tick()))
         opt.step()
@@ -514,7 +521,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
         if moe:
             tokens = torch.stack([layer.load.tokens for layer in moe])
             loads.append((tokens.amax(1) / tokens.mean(1).clamp(min=1e-9)).max())
-        moe_module.update_router_biases(moe, groups.dp_cp if groups else None)
+        moe_module.update_router_biases(moe, qb_group)
         for layer in moe:
             layer.load.reset()
         t.append(("qb", tick()))

@@ -77,8 +77,13 @@ def test_fla_adapter_refuses_what_it_cannot_pass():
 
 @pytest.mark.parametrize("optim, packed, data", (("muon", False, "random"), ("adamw", True, "random"),
                                                  ("muon", False, "corpus-packed")))
-def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, data, tmp_path, capsys):
+def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "ts.json"
+    updates = []  # Quantile Balancing's updates: the windows left, None after the optimizer step
+    update = train_step.moe_module.update_router_biases
+    monkeypatch.setattr(train_step.moe_module, "update_router_biases",
+                        lambda layers, group=None, windows_left=None: updates.append(windows_left) or
+                        update(layers, group, windows_left))
     train_step.main(["--model", "k3_tiny", "--batch", "1", "--seq", "32", "--steps", "1", "--warmup", "1",
                      "--kda", "ours", "--optim", optim, "--json", str(out), "--accum", "2" if packed else "1",
                      "--data", data] + (["--mean-doc", "8", "--document-attention", "flex"] if packed else []))
@@ -95,6 +100,8 @@ def test_benchmark_runs_on_cpu_and_writes_a_row_per_variant(optim, packed, data,
     loads = row["expert_load_max_over_mean"]  # one per timed step, the worst MoE layer's
     assert len(loads) == 1 and all(1.0 <= v <= 8 / 2 for v in loads), loads  # k3_tiny: at most E / k = 8 / 2
     assert f" ours {optim:>5} " in capsys.readouterr().out
+    # as the trainer by default: with 2 micro-batches a step also one update between them
+    assert updates and updates == ([1, None] if packed else [None]) * (len(updates) // (2 if packed else 1))
 
 
 def test_corpus_micro_batches_are_fresh_rows_of_the_trainer_corpus():
