@@ -14,7 +14,10 @@ same shape and FLOPs, in TFLOP/s; the forward and dgrad ones also as ``torch._gr
 slices of at most 128 columns, where torch 2.11 picks its other CUTLASS schedule (ping-pong 64×128×128
 tiles instead of cooperative 128×256×64; the slices read A once each), and, where its library is built
 (``python -m kernels.grouped_gemm_sm90.build``), through ``kernels.grouped_gemm_sm90`` in each of its
-CUTLASS configurations (checked against ``torch._grouped_mm`` first).
+CUTLASS configurations (checked against ``torch._grouped_mm`` first); and ``torch._grouped_mm`` on the same
+rows cut into fewer, larger groups (1 and E/8 groups: the same M, K, N and FLOPs), which separates what the
+number of groups costs (a persistent CTA that moves to another group's tile rewrites its TMA descriptors)
+from what the grouped kernel costs against cuBLAS at one group.
 Each piece is captured in a CUDA graph and its replays timed (``triton.testing.do_bench_cudagraph``), so
 the figure is GPU time without the host's autograd and launch overhead, which ``do_bench`` alone adds to
 pieces this small; a piece that cannot be captured (one that reads back to the host, e.g.
@@ -109,6 +112,10 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
             M, K, N)
         dense_b = b[0].contiguous() if b[0].stride(-1) == 1 else b[0].t().contiguous().t()  # b's layout
         row(name, "dense torch.mm", lambda: a @ dense_b, M, K, N)
+        for groups in sorted({1, max(1, E // 8)}):  # the same rows in fewer groups: every E/groups-th boundary
+            fewer = offsets[E // groups - 1::E // groups].contiguous()
+            row(name, f"torch._grouped_mm, {groups} group(s) of the same rows",
+                lambda: torch._grouped_mm(a, b[:groups], offs=fewer), M, K, N)
         cutlass_rows(name, lambda i: grouped_gemm_sm90.grouped_mm(a, b, offsets, i), whole, M, K, N)
     for name, (g, inp) in {"W13 wgrad": (d_gu, x), "W2 wgrad": (dy, h)}.items():
         O, C = g.shape[1], inp.shape[1]
