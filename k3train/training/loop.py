@@ -192,7 +192,17 @@ class Trainer:
     def _build_schedule(self):
         """The micro-batch loop, or the pipeline schedule under parallel.pipeline > 1."""
         autocast = lambda: _autocast(self.device, self.compute_dtype)  # noqa: E731
-        if self.groups.pp_size > 1:
+        pipelined = self.groups.pp_size > 1
+        windows = 1 if pipelined else self.cfg.model.qb_windows(self.n_micro)
+        if self.groups.is_main and self.moe_layer_ids:
+            m = self.cfg.model
+            how = (f"{windows} bias updates a step, one every {self.n_micro // windows} micro-batch(es), the last "
+                   f"after the optimizer step; step feedback {m.qb_step_feedback}" if windows > 1 else
+                   "once a step, after the optimizer step" + (" (the pipeline interleaves the micro-batches)"
+                                                              if pipelined else ""))
+            print(f"Quantile Balancing: {how}{', re-scored' if m.qb_rescore_stride else ''} "
+                  f"(model.qb_updates_per_step, model.qb_step_feedback, model.qb_rescore_stride)", flush=True)
+        if pipelined:
             from k3train.parallel.pipeline.runtime import PipelineSchedule
 
             return PipelineSchedule(self.model, self.chunks, self.groups.pp, self.device, autocast)
@@ -200,13 +210,6 @@ class Trainer:
         def qb_within_step(windows_left: int):  # the bias updates within the step (model.qb_updates_per_step)
             update_router_biases(self.model.moe_layers(), self.groups.dp_cp, windows_left)
 
-        windows = self.cfg.model.qb_windows(self.n_micro)
-        if self.groups.is_main and self.moe_layer_ids:
-            m = self.cfg.model
-            print(f"Quantile Balancing: {windows} bias update(s) a step, one every {self.n_micro // windows} micro-"
-                  f"batch(es), the last after the optimizer step; step feedback {m.qb_step_feedback if windows > 1 else 0}"
-                  f"{', re-scored' if m.qb_rescore_stride else ''} (model.qb_updates_per_step, model.qb_step_feedback,"
-                  f" model.qb_rescore_stride)", flush=True)
         return MicroBatchLoop(self._forward, self.device, windows, qb_within_step,
                               before_last_backward=self.grads.last_backward)
 

@@ -35,6 +35,9 @@ def test_resume_is_bit_exact(straight, tmp_path):
                                                                           "step_00000010"]
     proc = train(resumed, "train.steps=20", "train.save_every=10", "train.log_every=1", "logging.console=true")
     assert "resumed from" in proc.stdout
+    # the default Quantile Balancing schedule, resolved for FAST's 2 micro-batches a step
+    assert "Quantile Balancing: 2 bias updates a step, one every 1 micro-batch(es), the last after the optimizer " \
+           "step; step feedback 0.5" in proc.stdout
     a, b = losses(straight), losses(resumed)
     assert sorted(b) == list(range(1, 21))
     for step in range(1, 21):
