@@ -476,6 +476,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
     drawn = (args.warmup - warmup) * args.accum  # micro-batches drawn from ``batches`` (cycled)
     qb_group = groups.dp_cp if groups else None
     windows = cfg.qb_windows(args.accum)  # Quantile Balancing's updates a step, as the trainer's loop makes them
+    window = args.accum // windows  # micro-batches apart
     compiled_mode = None  # set once the layers are compiled
 
     def tick():
@@ -507,9 +508,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
             (loss / args.accum).backward()
             total = total + loss.detach() / args.accum
             t.append(("backward", tick()))
-            done = (i + 1) * windows // args.accum  # windows routed so far
-            if (i + 1) * windows % args.accum == 0 and done < windows:
-                moe_module.update_router_biases(moe, qb_group, windows - done)
+            if (i + 1) % window == 0 and i + 1 < args.accum:
+                moe_module.update_router_biases(moe, qb_group, windows - (i + 1) // window)
                 t.append(("qb", tick()))
         grads.reduce()  # the all-reduces' tail, the division
         t.append(("comm", tick()))

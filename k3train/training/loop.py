@@ -196,10 +196,12 @@ class Trainer:
         windows = 1 if pipelined else self.cfg.model.qb_windows(self.n_micro)
         if self.groups.is_main and self.moe_layer_ids:
             m = self.cfg.model
-            how = (f"{windows} bias updates a step, one every {self.n_micro // windows} micro-batch(es), the last "
-                   f"after the optimizer step; step feedback {m.qb_step_feedback}" if windows > 1 else
-                   "once a step, after the optimizer step" + (" (the pipeline interleaves the micro-batches)"
-                                                              if pipelined else ""))
+            if windows > 1:
+                how = (f"{windows} bias updates a step, one every {self.n_micro // windows} micro-batch(es), the last "
+                       f"after the optimizer step; step feedback {m.qb_step_feedback}")
+            else:
+                how = "once a step, after the optimizer step" + (
+                    " (the pipeline interleaves the micro-batches)" if pipelined else "")
             print(f"Quantile Balancing: {how}{', re-scored' if m.qb_rescore_stride else ''} "
                   f"(model.qb_updates_per_step, model.qb_step_feedback, model.qb_rescore_stride)", flush=True)
         if pipelined:
