@@ -15,9 +15,9 @@ window's, is steered to balance. Causal: it uses only windows already routed.
 Two estimators share one interface (``observe`` per micro-batch, ``update`` per step):
 
 - ``ExactQuantile`` keeps every r (tests and tiny runs; DP ranks all-gather);
-- ``HistogramQuantile`` scatter-adds r into B bins on [b_min − 1, b_max + 1] (integer counts)
-  and reads each expert's quantile off the cumulative counts with linear interpolation inside
-  the bin. Error ≤ one bin width.
+- ``HistogramQuantile`` scatter-adds r into B bins on [b_min − 1, b_max + 1] (int32 counts: a bin holds
+  at most the tokens an update pools, < 2³¹) and reads each expert's quantile off the cumulative counts
+  with linear interpolation inside the bin. Error ≤ one bin width.
 
 ``update_biases`` updates many layers with one all-reduce for all of them (their counts and
 feedback tokens in one flat tensor): one collective an update, whatever the depth.
@@ -85,7 +85,7 @@ class QuantileBalancer(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.estimator, self.bins, self.ema, self.step_feedback = estimator, bins, ema, step_feedback
         self.register_buffer("counts", torch.zeros(num_experts, bins if estimator == "histogram" else 0,
-                                                   dtype=torch.int64), persistent=False)
+                                                   dtype=torch.int32), persistent=False)
         # step feedback: tokens routed to each expert since the last update (this rank) and in the step so far
         # (pooled over the update's group)
         self.register_buffer("window_tokens", torch.zeros(num_experts), persistent=False)
@@ -129,12 +129,12 @@ class QuantileBalancer(nn.Module):
         return bool(self.step_feedback and windows_left)
 
     def pooled_stats(self, windows_left: int | None) -> torch.Tensor:
-        """What ``update`` pools over the data-parallel group, flat int64: the histogram counts [n·B] and, with
+        """What ``update`` pools over the data-parallel group, flat int32: the histogram counts [n·B] and, with
         step feedback within the step, the window's routed tokens [n] (whole numbers). Empty for the exact
         estimator without feedback (it all-gathers its r instead)."""
         parts = [self.counts.flatten()]
         if self._feedback(windows_left):
-            parts.append(self.window_tokens.long())
+            parts.append(self.window_tokens.int())
         return torch.cat(parts)
 
     def load_pooled_stats(self, flat: torch.Tensor, windows_left: int | None) -> None:
@@ -194,7 +194,7 @@ class QuantileBalancer(nn.Module):
 def update_biases(updates: list[tuple[QuantileBalancer, torch.Tensor, int | None]],
                   group: dist.ProcessGroup | None = None) -> None:
     """``QuantileBalancer.update`` for many layers, (balancer, bias, windows_left) each, with one all-reduce over
-    ``group`` for all of them: their histogram counts and step-feedback tokens in one flat int64 tensor. Layers
+    ``group`` for all of them: their histogram counts and step-feedback tokens in one flat int32 tensor. Layers
     with nothing observed since their last update are left as they are."""
     updates = [u for u in updates if u[0].observed]
     if group is not None and dist.get_world_size(group) > 1:

@@ -1,7 +1,7 @@
 """Quantile Balancing's per-micro-batch histogram update as one fused op (math in ``reference.py``)::
 
     histogram_add(counts, scores, cutoff, lo, width)
-    # counts [E, B] int64 (added into), scores [N, E] fp32, cutoff [N] fp32, lo / width 0-d fp32
+    # counts [E, B] int32 (added into), scores [N, E] fp32, cutoff [N] fp32, lo / width 0-d fp32
 
 ``backend``:
 
@@ -50,8 +50,8 @@ def histogram_add(counts: torch.Tensor, scores: torch.Tensor, cutoff: torch.Tens
     """counts[e, clamp(⌊(cutoff_i − scores_ie − lo) / width⌋, 0, B − 1)] += 1 for every token i and expert e."""
     if scores.dim() != 2 or cutoff.shape != scores.shape[:1]:
         raise ValueError(f"scores must be [N, E] and cutoff [N], got {tuple(scores.shape)} and {tuple(cutoff.shape)}")
-    if counts.dim() != 2 or counts.shape[0] != scores.shape[1] or counts.dtype != torch.int64:
-        raise ValueError(f"counts must be int64 [E, B] with E = {scores.shape[1]}, got {counts.dtype} "
+    if counts.dim() != 2 or counts.shape[0] != scores.shape[1] or counts.dtype != torch.int32:
+        raise ValueError(f"counts must be int32 [E, B] with E = {scores.shape[1]}, got {counts.dtype} "
                          f"{tuple(counts.shape)}")
     if scores.dtype != torch.float32 or cutoff.dtype != torch.float32:
         raise ValueError(f"scores and cutoff must be float32, got {scores.dtype} and {cutoff.dtype}")

@@ -18,7 +18,7 @@ import torch
 
 def histogram_add(counts: torch.Tensor, scores: torch.Tensor, cutoff: torch.Tensor, lo: torch.Tensor,
                   width: torch.Tensor) -> None:
-    """counts [E, B] int64 (added into), scores [N, E] fp32, cutoff [N] fp32, lo and width 0-d fp32."""
+    """counts [E, B] int32 (added into), scores [N, E] fp32, cutoff [N] fp32, lo and width 0-d fp32."""
     r = cutoff.unsqueeze(1) - scores
     idx = ((r - lo) / width).floor().long().clamp_(0, counts.shape[1] - 1)  # [N, E]
-    counts.scatter_add_(1, idx.t(), torch.ones_like(idx.t()))
+    counts.scatter_add_(1, idx.t(), torch.ones(idx.t().shape, dtype=counts.dtype, device=counts.device))

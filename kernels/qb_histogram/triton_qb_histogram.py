@@ -46,7 +46,7 @@ def _interpreted() -> bool:
 
 def histogram_add(counts: torch.Tensor, scores: torch.Tensor, cutoff: torch.Tensor, lo: torch.Tensor,
                   width: torch.Tensor) -> None:
-    """counts [E, B] int64 contiguous (added into), scores [N, E] fp32 (rows of any stride, last dim
+    """counts [E, B] int32 contiguous (added into), scores [N, E] fp32 (rows of any stride, last dim
     contiguous), cutoff [N] fp32 contiguous, lo and width 0-d fp32."""
     M, E = scores.shape
     block_m, block_e, warps = row_tiles(E, MAX_E, GPU_BLOCK_ELEMS, _interpreted(),

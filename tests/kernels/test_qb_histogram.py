@@ -37,7 +37,7 @@ def _float64_counts(scores, cutoff, lo, width, b):
     from the same fp32 values (the division rounded once to fp32, as IEEE division does)."""
     r = (cutoff.unsqueeze(1) - scores) - lo  # fp32, as the kernels compute it
     q = (r.double() / width.double()).float().double().floor().clamp(0, b - 1).long()
-    counts = torch.zeros(scores.shape[1], b, dtype=torch.int64)
+    counts = torch.zeros(scores.shape[1], b, dtype=torch.int32)
     for e in range(scores.shape[1]):
         counts[e] = torch.bincount(q[:, e], minlength=b)
     return counts
@@ -46,7 +46,7 @@ def _float64_counts(scores, cutoff, lo, width, b):
 @pytest.mark.parametrize("n,e,b", SHAPES, ids=str)
 def test_reference_matches_definition(n, e, b):
     scores, cutoff, lo, width = _inputs(n, e, b, e + b)
-    counts = torch.zeros(e, b, dtype=torch.int64)
+    counts = torch.zeros(e, b, dtype=torch.int32)
     R.histogram_add(counts, scores, cutoff, lo, width)
     assert torch.equal(counts, _float64_counts(scores, cutoff, lo, width, b))
     assert bool((counts.sum(1) == n).all()), "every token lands in one bin of every expert"
@@ -57,7 +57,7 @@ def test_balancer_observes_through_the_op():
     torch.manual_seed(0)
     qb = QuantileBalancer(16, 2, "histogram", bins=50)
     bias = torch.empty(16).uniform_(-0.2, 0.2)
-    want = torch.zeros(16, 50, dtype=torch.int64)
+    want = torch.zeros(16, 50, dtype=torch.int32)
     for _ in range(3):
         scores = torch.rand(11, 16)
         cutoff = scores.topk(3, dim=1).values[:, 2] + bias.max()
@@ -69,9 +69,9 @@ def test_balancer_observes_through_the_op():
 
 def test_errors():
     scores, cutoff, lo, width = _inputs(4, 8, 5, 0)
-    counts = torch.zeros(8, 5, dtype=torch.int64)
-    with pytest.raises(ValueError, match="int64"):
-        histogram_add(counts.int(), scores, cutoff, lo, width)
+    counts = torch.zeros(8, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        histogram_add(counts.long(), scores, cutoff, lo, width)
     with pytest.raises(ValueError, match=r"\[N, E\]"):
         histogram_add(counts, scores, cutoff[:3], lo, width)
     with pytest.raises(ValueError, match="float32"):
@@ -82,9 +82,9 @@ def test_errors():
 
 def _both(scores, cutoff, lo, width, b):
     """(Triton counts, reference counts), each from zero."""
-    got = torch.zeros(scores.shape[1], b, dtype=torch.int64, device=DEV)
+    got = torch.zeros(scores.shape[1], b, dtype=torch.int32, device=DEV)
     histogram_add(got, scores.to(DEV), cutoff.to(DEV), lo.to(DEV), width.to(DEV), backend="triton")
-    want = torch.zeros(scores.shape[1], b, dtype=torch.int64)
+    want = torch.zeros(scores.shape[1], b, dtype=torch.int32)
     R.histogram_add(want, scores, cutoff, lo, width)
     return got.cpu(), want
 
@@ -109,10 +109,10 @@ def test_triton_edges_clamps_nan_strides_and_accumulation():
     scores[2, 3] = float("nan")
     wide = torch.zeros(n, 2 * e)
     wide[:, ::2] = scores
-    got = torch.zeros(e, b, dtype=torch.int64, device=DEV)
+    got = torch.zeros(e, b, dtype=torch.int32, device=DEV)
     for view in (scores, wide[:, ::2]):  # twice: the second adds to the first
         histogram_add(got, view.to(DEV), cutoff.to(DEV), lo.to(DEV), width.to(DEV), backend="triton")
-    want = torch.zeros(e, b, dtype=torch.int64)
+    want = torch.zeros(e, b, dtype=torch.int32)
     for _ in range(2):
         R.histogram_add(want, scores, cutoff, lo, width)
     assert torch.equal(got.cpu(), want)
@@ -122,7 +122,7 @@ def test_triton_edges_clamps_nan_strides_and_accumulation():
 
 @triton_cpu
 def test_triton_empty_batch_adds_nothing():
-    got = torch.ones(4, 3, dtype=torch.int64, device=DEV)
+    got = torch.ones(4, 3, dtype=torch.int32, device=DEV)
     histogram_add(got, torch.empty(0, 4, device=DEV), torch.empty(0, device=DEV), torch.zeros((), device=DEV),
                   torch.ones((), device=DEV), backend="triton")
     assert bool((got == 1).all())
@@ -136,16 +136,16 @@ def test_triton_under_compile_is_the_custom_op():
     n, e, b = 21, 12, 9
     scores, cutoff, lo, width = _inputs(n, e, b, 5)
     args = [t.to(DEV) for t in (scores, cutoff, lo, width)]
-    got = torch.zeros(e, b, dtype=torch.int64, device=DEV)
+    got = torch.zeros(e, b, dtype=torch.int32, device=DEV)
     compiled = torch.compile(lambda c, *a: histogram_add(c, *a, backend="triton"), fullgraph=True)
     compiled(got, *args)
     compiled(got, *args)
-    want = torch.zeros(e, b, dtype=torch.int64)
+    want = torch.zeros(e, b, dtype=torch.int32)
     for _ in range(2):
         R.histogram_add(want, scores, cutoff, lo, width)
     assert torch.equal(got.cpu(), want)
     torch.library.opcheck(torch.ops.k3.qb_histogram_add.default,
-                          (torch.zeros(e, b, dtype=torch.int64, device=DEV), *args),
+                          (torch.zeros(e, b, dtype=torch.int32, device=DEV), *args),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -159,8 +159,8 @@ def test_gpu_auto_backend_is_triton_at_k3_shapes():
     """bench-1B (8192 tokens, E = 128) and K3 (E = 896), B = 1000 bins: the auto backend on CUDA."""
     for n, e in ((8192, 128), (8192, 896)):
         scores, cutoff, lo, width = _inputs(n, e, 1000, e)
-        got = torch.zeros(e, 1000, dtype=torch.int64, device="cuda")
+        got = torch.zeros(e, 1000, dtype=torch.int32, device="cuda")
         histogram_add(got, scores.cuda(), cutoff.cuda(), lo.cuda(), width.cuda())
-        want = torch.zeros(e, 1000, dtype=torch.int64)
+        want = torch.zeros(e, 1000, dtype=torch.int32)
         R.histogram_add(want, scores, cutoff, lo, width)
         assert torch.equal(got.cpu(), want)
