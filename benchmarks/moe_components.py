@@ -66,7 +66,7 @@ def qb_histogram(N: int, E: int, bins: int = 1000) -> dict[str, tuple[float, str
     scores = torch.rand(N, E, device="cuda")
     cutoff = torch.rand(N, device="cuda") + 0.5
     lo, width = torch.tensor(-1.0, device="cuda"), torch.tensor(2.0 / bins, device="cuda")
-    counts = torch.zeros(E, bins, dtype=torch.int64, device="cuda")
+    counts = torch.zeros(E, bins, dtype=torch.int32, device="cuda")
     compiled = torch.compile(qb_reference.histogram_add)
     return {"QB histogram (triton)": gpu_ms(lambda: histogram_add(counts, scores, cutoff, lo, width)),
             "QB histogram (torch)": gpu_ms(lambda: qb_reference.histogram_add(counts, scores, cutoff, lo, width)),
