@@ -21,10 +21,10 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
     base = ("model=k3_tiny train.device=cpu train.steps=200 data.seq_len=64 train.global_batch_size=4 "
             "train.micro_batch_size=2")
     qb_sweep.main(["--steps", "3", "--from-step", "2", "--base", base, "--json", str(out), "--oracle",
-                   "published:", "within:model.qb_updates_per_step=2"])
+                   "published:model.qb_updates_per_step=1", "within:"])  # within: the default, U = 2 here
     res = json.loads(out.read_text())
     assert list(res) == ["published", "within"]
-    assert res["within"]["overrides"][-1] == "model.qb_updates_per_step=2"
+    assert res["published"]["overrides"][-1] == "model.qb_updates_per_step=1"
     for tag in res:
         rows = res[tag]["rows"]
         assert [r["step"] for r in rows] == [1, 2, 3]
@@ -36,7 +36,8 @@ def test_sweep_runs_variants_and_writes_json(tmp_path, capsys, one_rank):
             # two micro-batches: the second under a bias fitted on the first, next to its own fitted floor
             assert all(list(grid) == ["1,1"] and grid["1,1"][0] >= grid["1,1"][1] >= 1.0
                        for grid in r["held_out_load_per_layer"])
-    assert res["within"]["rows"][0] != res["published"]["rows"][0]  # a within-step update changes step 1
+    # a within-step update routes step 1's second micro-batch with another bias
+    assert res["within"]["rows"][0]["expert_load_per_layer"] != res["published"]["rows"][0]["expert_load_per_layer"]
     table = capsys.readouterr().out
     assert "published" in table and "within" in table and "fitted worst" in table
     assert "published: held-out load" in table and "own fit" in table
