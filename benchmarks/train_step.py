@@ -112,6 +112,7 @@ from k3train.precision.main_params import MainParams, main_param
 from k3train.training.compile import begin_forward, compile_layers
 from k3train.training.flops import train_flops_per_token
 from k3train.training.kernel_time import format_summary, kernel_summary
+from k3train.training.micro_batches import windows_left_after
 from k3train.training.module_time import format_table, module_ranges, time_by_module
 from k3train.training.recompute import apply_recompute
 from kernels.grouped_wgrad import grouped_wgrad
@@ -476,7 +477,6 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
     drawn = (args.warmup - warmup) * args.accum  # micro-batches drawn from ``batches`` (cycled)
     qb_group = groups.dp_cp if groups else None
     windows = cfg.qb_windows(args.accum)  # Quantile Balancing's updates a step, as the trainer's loop makes them
-    window = args.accum // windows  # micro-batches apart
     compiled_mode = None  # set once the layers are compiled
 
     def tick():
@@ -508,8 +508,9 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
             (loss / args.accum).backward()
             total = total + loss.detach() / args.accum
             t.append(("backward", tick()))
-            if (i + 1) % window == 0 and i + 1 < args.accum:
-                moe_module.update_router_biases(moe, qb_group, windows - (i + 1) // window)
+            left = windows_left_after(i + 1, args.accum, windows)
+            if left:
+                moe_module.update_router_biases(moe, qb_group, left)
                 t.append(("qb", tick()))
         grads.reduce()  # the all-reduces' tail, the division
         t.append(("comm", tick()))

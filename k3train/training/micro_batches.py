@@ -15,6 +15,13 @@ from typing import Callable
 import torch
 
 
+def windows_left_after(micro: int, n: int, windows: int) -> int | None:
+    """After micro-batch ``micro`` (1-based) of a step's ``n`` in ``windows`` equal windows: the windows still to
+    route when one ends there (not after the step's last micro-batch), else None."""
+    window = n // windows
+    return windows - micro // window if micro % window == 0 and micro < n else None
+
+
 class MicroBatchLoop:
     def __init__(self, forward: Callable[[dict], torch.Tensor], device: torch.device,
                  windows: int = 1, after_window: Callable[[int], None] = lambda windows_left: None,
@@ -25,7 +32,6 @@ class MicroBatchLoop:
     def train(self, batches: list[dict]) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns Σ_i loss_i."""
         n = len(batches)
-        window = n // self.windows
         loss_sum = torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches, 1):
             loss = self.forward(batch)
@@ -33,8 +39,9 @@ class MicroBatchLoop:
                 self.before_last_backward()
             (loss / n).backward()
             loss_sum += loss.detach()
-            if micro % window == 0 and micro < n:
-                self.after_window(self.windows - micro // window)
+            left = windows_left_after(micro, n, self.windows)
+            if left:
+                self.after_window(left)
         return loss_sum
 
     @torch.no_grad()
