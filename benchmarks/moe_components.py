@@ -76,8 +76,9 @@ def qb_histogram(N: int, E: int, bins: int = 1000) -> dict[str, tuple[float, str
 def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> list[dict]:
     """Each GEMM product of W13 [E, 2I, ℓ] and W2 [E, ℓ, I] on M = offsets[-1] grouped rows, alone: as the
     layers run it (``torch._grouped_mm``, or our wgrad kernel), as ≤ 128-column output slices (forward and
-    dgrad), and as one dense ``torch.mm`` of the same [M, K] × [K, N] (cuBLAS); rows of ms and TFLOP/s.
-    The sliced result is checked against the whole one."""
+    dgrad), and as one dense ``torch.mm`` of the same [M, K] × [K, N] (cuBLAS); the forward products also as
+    E equal batches (``torch.bmm``, CUTLASS's plain batched kernels); rows of ms and TFLOP/s. The sliced result
+    is checked against the whole one, each CUTLASS result against torch's."""
     M = int(offsets[-1])
     (E, two_i, ell), I = w13.shape, w2.shape[2]
     gen = torch.Generator(device=w13.device).manual_seed(3)
@@ -93,13 +94,14 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
         rows.append(dict(product=product, how=how, M=m, K=k, N=n, ms=ms, TFLOPs=2 * m * k * n / ms / 1e9,
                          timed_by=timed_by))
 
-    def cutlass_rows(product, ours, want, m, k, n):
+    def cutlass_rows(product, ours, want, m, k, n, label=""):
         """``ours(i)`` for each kernels.grouped_gemm_sm90 configuration i (where its library is built): checked
         against ``want``, then timed."""
         for i, config in enumerate(grouped_gemm_sm90.CONFIGS if grouped_gemm_sm90.available() else ()):
+            how = f"CUTLASS {config.name}" + (f", {label}" if label else "")
             err = float((ours(i).float() - want.float()).abs().max() / want.float().abs().max())
-            assert err <= 1e-2, f"{product}, CUTLASS {config.name}: {err:.2g} from the layer's own product"
-            row(product, f"CUTLASS {config.name}", lambda: ours(i), m, k, n)
+            assert err <= 1e-2, f"{product}, {how}: {err:.2g} from the reference product"
+            row(product, how, lambda: ours(i), m, k, n)
 
     for name, (a, b) in grouped.items():
         K, N = b.shape[1], b.shape[2]
@@ -117,6 +119,16 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
             row(name, f"torch._grouped_mm, {groups} group(s) of the same rows",
                 lambda: torch._grouped_mm(a, b[:groups], offs=fewer), M, K, N)
         cutlass_rows(name, lambda i: grouped_gemm_sm90.grouped_mm(a, b, offsets, i), whole, M, K, N)
+        if b.stride(1) == 1:  # k-major (the forward products): equal groups as batches, cuBLAS's and CUTLASS's plain
+            rows_each = M // E  # kernels against the grouped ones on the same tiles
+            batched = (a[:E * rows_each].view(E, rows_each, K), b)
+            row(name, f"torch.bmm, {E} batches of {rows_each} rows", lambda: torch.bmm(*batched), M, K, N)
+            want_b = torch.bmm(*batched)
+            for L in (1, E):
+                a_l, b_l = (a[:E * rows_each].view(1, E * rows_each, K), b[:1]) if L == 1 else batched
+                cutlass_rows(name, lambda i: grouped_gemm_sm90.batched_mm(a_l, b_l, i).view(E, rows_each, N),
+                             want_b if L == E else (a_l @ b_l).view(E, rows_each, N), M, K, N,
+                             label=f"batched, {L} batch(es)")
     for name, (g, inp) in {"W13 wgrad": (d_gu, x), "W2 wgrad": (dy, h)}.items():
         O, C = g.shape[1], inp.shape[1]
         # [O, M] x [M, C]: the rows are the reduction dimension here

@@ -19,6 +19,11 @@ none beats torch's by more than 2%; the wgrad beats ``kernels.grouped_wgrad`` by
 and loses under skewed routing (one CTA runs an overloaded expert's whole K). Experimental: the model runs it
 only where ``RoutedExperts.grouped_gemm`` names a configuration (``benchmarks/moe.py --grouped-gemms``).
 
+    out = batched_mm(a, b, config=0)
+    a [L, M, K] bf16 contiguous, b [L, K, N] a transposed view of a packed [L, N, K] → out [L, M, N] = a @ b:
+    the same configurations on CUTLASS's plain persistent kernels (not pointer-array), to measure what the
+    grouped kernels' per-group machinery costs on the same tiles (L = 1: one dense GEMM; L = E: equal groups).
+
 ``grouped_mm_op`` and ``grouped_wgrad_op`` are the same as the custom ops ``k3::grouped_mm_sm90`` and
 ``k3::grouped_wgrad_sm90`` (with fakes for torch.compile).
 
@@ -105,6 +110,10 @@ def _load():
         lib.k3gg_workspace_bytes.argtypes, lib.k3gg_workspace_bytes.restype = [i32, i32, i32, i32], size_t
         lib.k3gg_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i64, ptr, ptr, size_t, i32, ptr]
         lib.k3gg_run.restype = i32
+        lib.k3gg_batched_workspace_bytes.argtypes = [i32, i32, i32, i32, i32, i32]
+        lib.k3gg_batched_workspace_bytes.restype = size_t
+        lib.k3gg_batched_run.argtypes = [i32, ptr, ptr, ptr, i32, i32, i32, i32, ptr, size_t, i32, ptr]
+        lib.k3gg_batched_run.restype = i32
         if lib.k3gg_num_configs() != len(CONFIGS):
             raise RuntimeError(f"{path} holds {lib.k3gg_num_configs()} configurations, this module lists "
                                f"{len(CONFIGS)}: rebuild it")
@@ -177,6 +186,29 @@ def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, confi
     if M == 0:
         return out.zero_()
     return _run(config, "wgrad", g, x, out, offsets, O, C, 0, 0)
+
+
+def batched_mm(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tensor:
+    """out[l] = a[l] @ b[l] on the plain batched kernel of ``CONFIGS[config]`` (module docstring)."""
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1] or not a.is_contiguous():
+        raise ValueError(f"a must be a contiguous [L, M, K] and b an [L, K, N], got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    if b_layout(b) != "k-major" or not b.transpose(1, 2).is_contiguous():
+        raise ValueError("b must be the transposed view of a packed [L, N, K] tensor")
+    (L, M, K), N = a.shape, b.shape[2]
+    _check({"a": a, "b": b}, torch.zeros(1, dtype=torch.int32, device=a.device), 1, config)
+    out = a.new_empty(L, M, N)
+    lib = _load()
+    sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
+    ws_bytes = lib.k3gg_batched_workspace_bytes(config, L, M, N, K, sm_count)
+    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=a.device)
+    status = lib.k3gg_batched_run(config, a.data_ptr(), b.data_ptr(), out.data_ptr(), L, M, N, K,
+                                  workspace.data_ptr(), ws_bytes, sm_count,
+                                  torch.cuda.current_stream(a.device).cuda_stream)
+    if status:
+        raise RuntimeError(f"batched GEMM {CONFIGS[config].name}, L={L} M={M} N={N} K={K}: failed at "
+                           f"{_STEPS.get(status, status)}")
+    return out
 
 
 @torch.library.custom_op("k3::grouped_mm_sm90", mutates_args=())

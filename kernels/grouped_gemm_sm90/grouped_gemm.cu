@@ -190,6 +190,68 @@ int run(const void* a, const void* b, void* d, const int* offsets, int groups, i
   return cudaGetLastError() == cudaSuccess ? 0 : 6;
 }
 
+// The same configurations on CUTLASS's plain (not pointer-array) persistent kernels, batched: D[l] = A[l] @ B_l
+// with A [L, M, K], B k-major [L, N, K] (a [N, K] weight per batch), D [L, M, N], all packed. Not used by the
+// model: it measures what the pointer-array kernels' per-group machinery costs against the plain kernel on the
+// same tiles, with L = 1 (one dense GEMM) and L = E (equal groups, the batch switching every few tiles).
+template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM>
+struct BatchedGemm {
+  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
+  using MainloopSchedule = cute::conditional_t<PingPong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = cute::conditional_t<PingPong, cutlass::epilogue::TmaWarpSpecialized,
+                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
+  static constexpr int kAlign = 16 / sizeof(Bf16);
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      Bf16, cutlass::layout::RowMajor, kAlign,  // C (not read: beta = 0)
+      Bf16, cutlass::layout::RowMajor, kAlign,  // D
+      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Bf16, float>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Bf16, cutlass::layout::RowMajor, kAlign,
+      Bf16, cutlass::layout::ColumnMajor, kAlign,
+      float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Gemm::Arguments arguments(const void* a, const void* b, void* d, int L, int M, int N, int K,
+                                            int sm_count) {
+    using namespace cute;
+    auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(M, K, L));
+    auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(N, K, L));
+    auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(M, N, L));
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kBatched,
+        {M, N, K, L},
+        {static_cast<const Bf16*>(a), sa, static_cast<const Bf16*>(b), sb},
+        {{}, static_cast<const Bf16*>(d), sd, static_cast<Bf16*>(d), sd}};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.hw_info.sm_count = sm_count;
+    return args;
+  }
+};
+
+template <class G>
+int run_batched(const void* a, const void* b, void* d, int L, int M, int N, int K, void* workspace,
+                size_t workspace_size, int sm_count, cudaStream_t stream) {
+  auto args = G::arguments(a, b, d, L, M, N, K, sm_count);
+  if (G::Gemm::get_workspace_size(args) > workspace_size) return 2;
+  typename G::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 3;
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 4;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return 5;
+  return cudaGetLastError() == cudaSuccess ? 0 : 6;
+}
+
 // The configurations this library holds, by index (grouped_gemm_sm90.CONFIGS lists the same, in order).
 #define K3_CONFIGS(X)                  \
   X(0, true, 128, 128, 64, 1)          \
@@ -243,6 +305,27 @@ int k3gg_run(int config, int mode, const void* a, const void* b, void* d, const 
   K3_MODES(i, pp, tm, tn, tk, cm,                                                                               \
            run<G>(a, b, d, offsets, groups, rows_fixed, N, K, b_group_stride, arrays, workspace, workspace_size, \
                   sm_count, s))
+  K3_CONFIGS(K3_CASE)
+#undef K3_CASE
+  return -1;
+}
+
+// The batched plain kernels (BatchedGemm above), same configuration indices and status codes.
+size_t k3gg_batched_workspace_bytes(int config, int L, int M, int N, int K, int sm_count) {
+#define K3_CASE(i, pp, tm, tn, tk, cm) \
+  if (config == i) return BatchedGemm<pp, tm, tn, tk, cm>::Gemm::get_workspace_size( \
+      BatchedGemm<pp, tm, tn, tk, cm>::arguments(nullptr, nullptr, nullptr, L, M, N, K, sm_count));
+  K3_CONFIGS(K3_CASE)
+#undef K3_CASE
+  return 0;
+}
+
+int k3gg_batched_run(int config, const void* a, const void* b, void* d, int L, int M, int N, int K, void* workspace,
+                     size_t workspace_size, int sm_count, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+#define K3_CASE(i, pp, tm, tn, tk, cm) \
+  if (config == i) return run_batched<BatchedGemm<pp, tm, tn, tk, cm>>(a, b, d, L, M, N, K, workspace, \
+                                                                       workspace_size, sm_count, s);
   K3_CONFIGS(K3_CASE)
 #undef K3_CASE
   return -1;

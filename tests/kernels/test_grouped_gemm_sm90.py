@@ -79,6 +79,21 @@ def test_wgrad_matches_aten(config):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not gg.available(), reason="needs an sm_90 GPU and the built library (kernels.grouped_gemm_sm90.build)")
+@pytest.mark.parametrize("config", range(len(gg.CONFIGS)))
+def test_batched_matches_bmm(config):
+    """The plain batched kernels: random bf16 [L, M, K] × k-major [L, K, N], M not a multiple of any tile."""
+    gen = torch.Generator().manual_seed(20 + config)
+    a = torch.randn(6, 333, 512, generator=gen).cuda().bfloat16()
+    b = torch.randn(6, 256, 512, generator=gen).cuda().bfloat16().transpose(1, 2)
+    want = torch.bmm(a, b)
+    torch.testing.assert_close(gg.batched_mm(a, b, config).float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="transposed view"):
+        gg.batched_mm(a, b.contiguous(), config)
+
+
 def test_routed_experts_grouped_gemm_names():
     """RoutedExperts.grouped_gemm: torch by default, CUTLASS configurations by index (forward and dgrad, then
     optionally the wgrad); a bad name fails in the forward, naming the forms."""
