@@ -76,8 +76,9 @@ def qb_histogram(N: int, E: int, bins: int = 1000) -> dict[str, tuple[float, str
 def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> list[dict]:
     """Each GEMM product of W13 [E, 2I, ℓ] and W2 [E, ℓ, I] on M = offsets[-1] grouped rows, alone: as the
     layers run it (``torch._grouped_mm``, or our wgrad kernel), as ≤ 128-column output slices (forward and
-    dgrad), and as one dense ``torch.mm`` of the same [M, K] × [K, N] (cuBLAS); the forward products also as
-    E equal batches (``torch.bmm``, CUTLASS's plain batched kernels); rows of ms and TFLOP/s. The sliced result
+    dgrad), and as one dense ``torch.mm`` of the same [M, K] × [K, N] (cuBLAS); with CUTLASS's kernels
+    (``kernels.grouped_gemm_sm90``, where built): grouped, expert-tiled (rows padded per expert) and, for the
+    forward products, as E equal batches (``torch.bmm`` beside them); rows of ms and TFLOP/s. The sliced result
     is checked against the whole one, each CUTLASS result against torch's."""
     M = int(offsets[-1])
     (E, two_i, ell), I = w13.shape, w2.shape[2]
@@ -119,6 +120,20 @@ def gemm_products(w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) ->
             row(name, f"torch._grouped_mm, {groups} group(s) of the same rows",
                 lambda: torch._grouped_mm(a, b[:groups], offs=fewer), M, K, N)
         cutlass_rows(name, lambda i: grouped_gemm_sm90.grouped_mm(a, b, offsets, i), whole, M, K, N)
+        for i, config in enumerate(grouped_gemm_sm90.CONFIGS if grouped_gemm_sm90.available() else ()):
+            if config.cluster_m != 1:  # the expert-tiled kernels are built for one-CTA clusters only
+                continue
+            # the rows padded per expert to the tile, as a dispatch would write them; timed: the GEMM alone
+            tile_m = config.tile[0]
+            cap = grouped_gemm_sm90.capacity_tiles(M, E, tile_m)
+            row_dest, tile_expert = grouped_gemm_sm90.expert_tiles(offsets, M, tile_m, cap)
+            padded = a.new_zeros(cap * tile_m, K).index_copy_(0, row_dest, a)
+            run = lambda: grouped_gemm_sm90.expert_tiled_mm(padded, b, tile_expert, i)  # noqa: E731
+            err = float((run()[row_dest].float() - whole.float()).abs().max() / whole.float().abs().max())
+            how = (f"CUTLASS {config.name}, expert tiles ({int((tile_expert >= 0).sum()) * tile_m / M - 1:+.1%} "
+                   f"padding rows)")
+            assert err <= 1e-2, f"{name}, {how}: {err:.2g} from torch._grouped_mm"
+            row(name, how, run, M, K, N)
         if b.stride(1) == 1:  # k-major (the forward products): equal groups as batches, cuBLAS's and CUTLASS's plain
             rows_each = M // E  # kernels against the grouped ones on the same tiles
             batched = (a[:E * rows_each].view(E, rows_each, K), b)

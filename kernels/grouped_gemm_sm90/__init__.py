@@ -24,6 +24,15 @@ only where ``RoutedExperts.grouped_gemm`` names a configuration (``benchmarks/mo
     the same configurations on CUTLASS's plain persistent kernels (not pointer-array), to measure what the
     grouped kernels' per-group machinery costs on the same tiles (L = 1: one dense GEMM; L = E: equal groups).
 
+    row_dest, tile_expert = expert_tiles(offsets, tile_m, capacity_tiles(M, G, tile_m))
+    out = expert_tiled_mm(a_padded, b, tile_expert, config=0)
+    The grouped product on CUTLASS's plain persistent kernel (configurations with one-CTA clusters): each group's
+    rows padded to a multiple of the config's tile rows (row r of the group-sorted [M, K] goes to a_padded[row_dest[r]];
+    tile_expert[m] is the group of M tile m, -1 past the last), so every M tile lies in one group and only B's
+    batch index moves between tiles: out[tile m] = a_padded[tile m] @ b[tile_expert[m]], out [M_pad, N]; padding
+    rows' outputs are unspecified. Not yet run on a GPU (session 26 built it; its GPU test and the
+    ``--gemm-products`` rows are the first check).
+
 ``grouped_mm_op`` and ``grouped_wgrad_op`` are the same as the custom ops ``k3::grouped_mm_sm90`` and
 ``k3::grouped_wgrad_sm90`` (with fakes for torch.compile).
 
@@ -114,6 +123,10 @@ def _load():
         lib.k3gg_batched_workspace_bytes.restype = size_t
         lib.k3gg_batched_run.argtypes = [i32, ptr, ptr, ptr, i32, i32, i32, i32, ptr, size_t, i32, ptr]
         lib.k3gg_batched_run.restype = i32
+        lib.k3gg_expert_tiled_workspace_bytes.argtypes = [i32, i32, i32, i32, i32, i32, i32]
+        lib.k3gg_expert_tiled_workspace_bytes.restype = i64
+        lib.k3gg_expert_tiled_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, size_t, i32, ptr]
+        lib.k3gg_expert_tiled_run.restype = i32
         if lib.k3gg_num_configs() != len(CONFIGS):
             raise RuntimeError(f"{path} holds {lib.k3gg_num_configs()} configurations, this module lists "
                                f"{len(CONFIGS)}: rebuild it")
@@ -208,6 +221,69 @@ def batched_mm(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tenso
     if status:
         raise RuntimeError(f"batched GEMM {CONFIGS[config].name}, L={L} M={M} N={N} K={K}: failed at "
                            f"{_STEPS.get(status, status)}")
+    return out
+
+
+def capacity_tiles(rows: int, groups: int, tile_m: int) -> int:
+    """M tiles enough for ``rows`` rows in ``groups`` groups each padded to a multiple of ``tile_m``, whatever
+    the split: Σ⌈c_g / t⌉ ≤ ⌊(rows + groups·(t − 1)) / t⌋."""
+    return (rows + groups * (tile_m - 1)) // tile_m
+
+
+def expert_tiles(offsets: torch.Tensor, rows: int, tile_m: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded layout of ``expert_tiled_mm`` for ``rows`` group-sorted rows with cumulative counts ``offsets``
+    [G] (int32, offsets[-1] == rows; no host read): ``row_dest`` [rows] int64, where each row goes, and
+    ``tile_expert`` [capacity] int32, the group of each M tile (-1 past the last). Group g's rows start at tile
+    Σ_{j<g} ⌈c_j / tile_m⌉."""
+    ends = offsets.long()
+    starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
+    tile_end = torch.cumsum((ends - starts + tile_m - 1) // tile_m, 0)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(capacity, device=ends.device), right=True)
+    tile_expert = torch.where(tile_expert < ends.numel(), tile_expert, -1).to(torch.int32)
+    first_tile = torch.cat([tile_end.new_zeros(1), tile_end[:-1]])
+    row = torch.arange(rows, device=ends.device)
+    group = torch.searchsorted(ends, row, right=True)
+    return row + (first_tile * tile_m - starts)[group], tile_expert
+
+
+def expert_tiled_mm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, config: int = 0) -> torch.Tensor:
+    """out[tile m] = a[tile m] @ b[tile_expert[m]] (module docstring) on the expert-tiled kernel of
+    ``CONFIGS[config]``: a [capacity · tile_m, K] bf16 contiguous, b [G, K, N] either layout, tile_expert
+    [capacity] int32 → out [capacity · tile_m, N]."""
+    layout = b_layout(b)
+    G, K, N = b.shape
+    config_ok = 0 <= config < len(CONFIGS) and CONFIGS[config].cluster_m == 1
+    if not config_ok:
+        raise ValueError(f"config {config}: the expert-tiled kernels are the one-CTA-cluster configurations "
+                         f"{[i for i, c in enumerate(CONFIGS) if c.cluster_m == 1]}")
+    tile_m = CONFIGS[config].tile[0]
+    if tile_expert.dim() != 1 or a.dim() != 2 or a.shape != (tile_expert.shape[0] * tile_m, K) or not a.is_contiguous():
+        raise ValueError(f"a must be a contiguous [len(tile_expert) * {tile_m}, {K}] = "
+                         f"[{tile_expert.shape[0] * tile_m}, {K}], got {tuple(a.shape)}")
+    _check({"a": a, "b": b}, tile_expert, tile_expert.shape[0], config)
+    out = a.new_empty(a.shape[0], N)
+    if a.shape[0] == 0:
+        return out
+    lib = _load()
+    mode = MODES[layout]
+    sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
+    ws_bytes = lib.k3gg_expert_tiled_workspace_bytes(config, mode, G, a.shape[0], N, K, sm_count)
+    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=a.device)
+    status = lib.k3gg_expert_tiled_run(config, mode, a.data_ptr(), b.data_ptr(), out.data_ptr(),
+                                       tile_expert.data_ptr(), G, a.shape[0], N, K, workspace.data_ptr(), ws_bytes,
+                                       sm_count, torch.cuda.current_stream(a.device).cuda_stream)
+    if status:
+        raise RuntimeError(f"expert-tiled GEMM {CONFIGS[config].name}, {layout}, G={G} M={a.shape[0]} N={N} K={K}: "
+                           f"failed at {_STEPS.get(status, status)}")
+    return out
+
+
+def expert_tiled_mm_reference(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, tile_m: int) -> torch.Tensor:
+    """What ``expert_tiled_mm`` computes, tile by tile in plain torch (any device); padding tiles give 0."""
+    out = a.new_zeros(a.shape[0], b.shape[2])
+    for m, group in enumerate(tile_expert.tolist()):
+        if group >= 0:
+            out[m * tile_m:(m + 1) * tile_m] = a[m * tile_m:(m + 1) * tile_m] @ b[group]
     return out
 
 

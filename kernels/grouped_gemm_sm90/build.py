@@ -5,7 +5,8 @@
 
 DIR holds CUTLASS's ``include/`` and ``tools/util/include/`` (a CUTLASS checkout, or the installed
 ``cutlass_library/source``). The library links the CUDA runtime as a shared library, the one torch loads.
-Building takes minutes (five kernel configurations, two B layouts each).
+Building takes ~3 minutes on two cores (five kernel configurations: grouped in three modes, plain batched,
+and expert-tiled in two B layouts where the cluster is one CTA).
 """
 
 from __future__ import annotations

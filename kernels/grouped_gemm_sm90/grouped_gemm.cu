@@ -252,6 +252,165 @@ int run_batched(const void* a, const void* b, void* d, int L, int M, int N, int 
   return cudaGetLastError() == cudaSuccess ? 0 : 6;
 }
 
+// Expert-tiled grouped GEMM: the grouped product on the plain persistent kernel. Each group's rows are padded to a
+// multiple of TileM (``tile_expert`` says which group M tile m holds; -1 past the last), so every M tile lies in
+// one group. The kernel sees the problem (M_pad, N, K, L = G); A and D have a static zero L stride (every batch is
+// the same matrix), and the tile scheduler below hands out the tiles of one batch, naming tile m's batch
+// L = tile_expert[m], so only B's batch coordinate moves: D[tile m] = A[tile m] @ B_{tile_expert[m]}.
+// Rows of a tile past its group's count are padding: computed, never meant to be read.
+
+// PersistentTileSchedulerSm90 over one batch's tiles in row order (raster along N, no swizzle: tile m's N tiles
+// are consecutive, so the M index only grows along a CTA's walk), with the batch index read from tile_expert. A
+// tile whose entry is negative ends the CTA's walk, as all tiles after it are past the last group too.
+struct ExpertTileScheduler : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  struct Arguments : Base::Arguments {
+    const int* tile_expert = nullptr;
+  };
+  struct Params : Base::Params {
+    const int* tile_expert = nullptr;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem, TileShape tile, ClusterShape cluster,
+                                        cutlass::KernelHardwareInfo const& hw_info, Arguments const& args,
+                                        void* workspace = nullptr, uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    static_assert(cute::size(ClusterShape{}) == 1, "expert tiles: clusters of one CTA only");
+    Base::Arguments base = args;
+    base.max_swizzle_size = 1;
+    base.raster_order = Base::RasterOrderOptions::AlongN;
+    auto one_batch = cute::make_shape(cute::get<0>(problem), cute::get<1>(problem), cute::get<2>(problem), 1);
+    Params params;
+    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
+        one_batch, tile, cluster, hw_info, base, workspace, epilogue_subtile, ktile_start_alignment_count);
+    params.tile_expert = args.tile_expert;
+    return params;
+  }
+
+  CUTLASS_HOST_DEVICE ExpertTileScheduler() {}
+  CUTLASS_DEVICE explicit ExpertTileScheduler(Params const& params) : Base(params), tile_expert_(params.tile_expert) {}
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+    WorkTileInfo work = Base::get_current_work();
+    if (!work.is_valid()) return work;
+    int group = tile_expert_[work.M_idx];
+    if (group < 0) return WorkTileInfo::invalid_work_tile();
+    work.L_idx = group;
+    return work;
+  }
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    return get_current_work();
+  }
+
+ private:
+  const int* tile_expert_ = nullptr;
+};
+
+struct ExpertTileSchedulerTag {};
+
+}  // namespace
+
+namespace cutlass::gemm::kernel::detail {
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
+struct TileSchedulerSelector<ExpertTileSchedulerTag, ArchTag, TileShape, ClusterShape, Stages> {
+  using Scheduler = ExpertTileScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace {
+
+// One configuration (cluster of one CTA) with B k-major (Mode 0, forward) or n-major (Mode 1, dgrad), as the
+// grouped modes 0 and 1.
+template <bool PingPong, int TileM, int TileN, int TileK, int Mode>
+struct ExpertTiledGemm {
+  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using MainloopSchedule = cute::conditional_t<PingPong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = cute::conditional_t<PingPong, cutlass::epilogue::TmaWarpSpecialized,
+                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
+  static constexpr int kAlign = 16 / sizeof(Bf16);
+  using StrideA = cute::Stride<int64_t, cute::_1, cute::_0>;  // [M_pad, K], the same for every batch
+  using StrideD = cute::Stride<int64_t, cute::_1, cute::_0>;  // [M_pad, N]
+  using StrideB = cute::conditional_t<Mode == 0, cute::Stride<int64_t, cute::_1, int64_t>,   // (n, k, g) at g*NK + n*K + k
+                                      cute::Stride<cute::_1, int64_t, int64_t>>;            //            g*NK + k*N + n
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      Bf16, StrideD, kAlign,  // C (not read: beta = 0)
+      Bf16, StrideD, kAlign,  // D
+      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Bf16, float>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Bf16, StrideA, kAlign,
+      Bf16, StrideB, kAlign,
+      float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      ExpertTileSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Gemm::Arguments arguments(const void* a, const void* b, void* d, const int* tile_expert,
+                                            int groups, int M, int N, int K, int sm_count) {
+    StrideA sa{static_cast<int64_t>(K), {}, {}};
+    StrideD sd{static_cast<int64_t>(N), {}, {}};
+    StrideB sb;
+    if constexpr (Mode == 0) {
+      sb = StrideB{static_cast<int64_t>(K), {}, static_cast<int64_t>(N) * K};
+    } else {
+      sb = StrideB{{}, static_cast<int64_t>(N), static_cast<int64_t>(N) * K};
+    }
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kBatched,
+        {M, N, K, groups},
+        {static_cast<const Bf16*>(a), sa, static_cast<const Bf16*>(b), sb},
+        {{}, static_cast<const Bf16*>(d), sd, static_cast<Bf16*>(d), sd}};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.hw_info.sm_count = sm_count;
+    args.scheduler.tile_expert = tile_expert;
+    return args;
+  }
+};
+
+template <class G>
+int run_expert_tiled(const void* a, const void* b, void* d, const int* tile_expert, int groups, int M, int N, int K,
+                     void* workspace, size_t workspace_size, int sm_count, cudaStream_t stream) {
+  auto args = G::arguments(a, b, d, tile_expert, groups, M, N, K, sm_count);
+  if (G::Gemm::get_workspace_size(args) > workspace_size) return 2;
+  typename G::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 3;
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 4;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return 5;
+  return cudaGetLastError() == cudaSuccess ? 0 : 6;
+}
+
+// A configuration's expert-tiled workspace size (workspace == nullptr) or run; -1 where its cluster is not one CTA.
+template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM>
+int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int* tile_expert, int groups, int M, int N,
+                     int K, void* workspace, size_t workspace_size, int sm_count, cudaStream_t stream) {
+  if constexpr (ClusterM != 1) {
+    return -1;
+  } else {
+    auto call = [&](auto g) -> int64_t {
+      using G = decltype(g);
+      if (workspace == nullptr)
+        return G::Gemm::get_workspace_size(G::arguments(nullptr, nullptr, nullptr, nullptr, groups, M, N, K, sm_count));
+      return run_expert_tiled<G>(a, b, d, tile_expert, groups, M, N, K, workspace, workspace_size, sm_count, stream);
+    };
+    if (mode == 0) return call(ExpertTiledGemm<PingPong, TileM, TileN, TileK, 0>{});
+    if (mode == 1) return call(ExpertTiledGemm<PingPong, TileM, TileN, TileK, 1>{});
+    return -1;
+  }
+}
+
 // The configurations this library holds, by index (grouped_gemm_sm90.CONFIGS lists the same, in order).
 #define K3_CONFIGS(X)                  \
   X(0, true, 128, 128, 64, 1)          \
@@ -326,6 +485,30 @@ int k3gg_batched_run(int config, const void* a, const void* b, void* d, int L, i
 #define K3_CASE(i, pp, tm, tn, tk, cm) \
   if (config == i) return run_batched<BatchedGemm<pp, tm, tn, tk, cm>>(a, b, d, L, M, N, K, workspace, \
                                                                        workspace_size, sm_count, s);
+  K3_CONFIGS(K3_CASE)
+#undef K3_CASE
+  return -1;
+}
+
+// The expert-tiled kernels (ExpertTiledGemm above) of the configurations whose clusters are one CTA; mode 0
+// (B k-major) or 1 (B n-major). Workspace bytes (-1: no such kernel), and the run with the usual status codes.
+int64_t k3gg_expert_tiled_workspace_bytes(int config, int mode, int groups, int M, int N, int K, int sm_count) {
+#define K3_CASE(i, pp, tm, tn, tk, cm) \
+  if (config == i) return expert_tiled<pp, tm, tn, tk, cm>(mode, nullptr, nullptr, nullptr, nullptr, groups, M, N, K, \
+                                                           nullptr, 0, sm_count, nullptr);
+  K3_CONFIGS(K3_CASE)
+#undef K3_CASE
+  return -1;
+}
+
+int k3gg_expert_tiled_run(int config, int mode, const void* a, const void* b, void* d, const int* tile_expert,
+                          int groups, int M, int N, int K, void* workspace, size_t workspace_size, int sm_count,
+                          void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (workspace == nullptr) return 2;  // the caller passes at least one byte
+#define K3_CASE(i, pp, tm, tn, tk, cm) \
+  if (config == i) return static_cast<int>(expert_tiled<pp, tm, tn, tk, cm>(mode, a, b, d, tile_expert, groups, M, \
+                                                                            N, K, workspace, workspace_size, sm_count, s));
   K3_CONFIGS(K3_CASE)
 #undef K3_CASE
   return -1;

@@ -1,7 +1,8 @@
 """kernels.grouped_gemm_sm90: every CUTLASS configuration against ``torch._grouped_mm`` (forward and dgrad
-layouts) and against ``kernels.grouped_wgrad``'s aten reference (wgrad) on uneven and empty groups (GPU, with
-the library built), and on CPU what can be checked without one: B layouts, argument errors, and that
-the module's configuration list is the library source's."""
+layouts, grouped and expert-tiled), against ``kernels.grouped_wgrad``'s aten reference (wgrad) on uneven and
+empty groups, and the plain batched kernels against ``torch.bmm`` (GPU, with the library built); on CPU what
+can be checked without one: B layouts, argument errors, the expert-tiled layout and its reference, and that the
+module's configuration list is the library source's."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def test_b_layouts_and_errors():
         gg.grouped_mm(torch.empty(8, 32), w.transpose(1, 2), torch.tensor([2, 4, 6, 8], dtype=torch.int32))
 
 
+def _uneven_counts(seed: int, groups: int = 16) -> torch.Tensor:
+    """0-700 rows a group, two groups empty, one of 333 rows (no tile's multiple)."""
+    counts = torch.randint(0, 700, (groups,), generator=torch.Generator().manual_seed(seed))
+    counts[[3, groups // 2 + 1]] = 0
+    counts[5] = 333
+    return counts
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not gg.available(), reason="needs an sm_90 GPU and the built library (kernels.grouped_gemm_sm90.build)")
 @pytest.mark.parametrize("config", range(len(gg.CONFIGS)))
@@ -42,9 +51,7 @@ def test_matches_torch_grouped_mm(config, layout):
     of the experts' forward (k-major) and dgrad (n-major) shapes. Same fp32 accumulation, so the results agree
     to bf16 rounding."""
     g = torch.Generator().manual_seed(config)
-    counts = torch.randint(0, 700, (16,), generator=g)
-    counts[[3, 9]] = 0
-    counts[5] = 333
+    counts = _uneven_counts(config)
     offsets = counts.cumsum(0).to(torch.int32).cuda()
     M, K, N = int(counts.sum()), 512, 256
     a = torch.randn(M, K, generator=g).cuda().bfloat16()
@@ -92,6 +99,65 @@ def test_batched_matches_bmm(config):
                                atol=2e-2 * float(want.abs().max()))
     with pytest.raises(ValueError, match="transposed view"):
         gg.batched_mm(a, b.contiguous(), config)
+
+
+def test_expert_tiles_layout():
+    """Each group's rows start on a tile, keep their order, and fill its tiles; tile_expert names each tile's
+    group and -1 after the last; the capacity bound holds for the worst split."""
+    counts = _uneven_counts(0)
+    offsets = counts.cumsum(0).to(torch.int32)
+    M, tile = int(counts.sum()), 128
+    cap = gg.capacity_tiles(M, 16, tile)
+    row_dest, tile_expert = gg.expert_tiles(offsets, M, tile, cap)
+    start, first_tile = 0, 0
+    for g, c in enumerate(counts.tolist()):
+        assert row_dest[start:start + c].tolist() == list(range(first_tile * tile, first_tile * tile + c))
+        n_tiles = -(-c // tile)
+        assert tile_expert[first_tile:first_tile + n_tiles].tolist() == [g] * n_tiles
+        start, first_tile = start + c, first_tile + n_tiles
+    assert (tile_expert[first_tile:] == -1).all() and first_tile <= cap
+    worst = torch.tensor([1] * 15 + [M - 15])  # fifteen groups of one row: the most padding
+    assert int(((worst + tile - 1) // tile).sum()) <= gg.capacity_tiles(M, 16, tile)
+
+
+def test_expert_tiled_reference_matches_grouped_product():
+    """Padding the rows, multiplying tile by tile and reading the rows back gives each group's product."""
+    counts = _uneven_counts(1, groups=6)
+    offsets = counts.cumsum(0).to(torch.int32)
+    M, K, N, tile = int(counts.sum()), 32, 24, 64
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(M, K, generator=gen), torch.randn(6, K, N, generator=gen)
+    cap = gg.capacity_tiles(M, 6, tile)
+    row_dest, tile_expert = gg.expert_tiles(offsets, M, tile, cap)
+    padded = a.new_zeros(cap * tile, K).index_copy_(0, row_dest, a)
+    got = gg.expert_tiled_mm_reference(padded, b, tile_expert, tile)[row_dest]
+    want = torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip([0] + offsets[:-1].tolist(), offsets.tolist()))])
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="one-CTA-cluster"):
+        gg.expert_tiled_mm(padded.bfloat16(), b.bfloat16(), tile_expert, config=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gg.available(), reason="needs an sm_90 GPU and the built library (kernels.grouped_gemm_sm90.build)")
+@pytest.mark.parametrize("config", [i for i, c in enumerate(gg.CONFIGS) if c.cluster_m == 1])
+@pytest.mark.parametrize("layout", ["k-major", "n-major"])
+def test_expert_tiled_matches_torch_grouped_mm(config, layout):
+    """The expert-tiled kernel on padded rows, read back, against ``torch._grouped_mm`` on the packed rows:
+    random bf16 operands, the uneven groups above, both B layouts."""
+    counts = _uneven_counts(30 + config)
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    M, K, N = int(counts.sum()), 512, 256
+    gen = torch.Generator().manual_seed(config)
+    a = torch.randn(M, K, generator=gen).cuda().bfloat16()
+    w = torch.randn(16, N, K, generator=gen).cuda().bfloat16()
+    b = w.transpose(1, 2) if layout == "k-major" else torch.randn(16, K, N, generator=gen).cuda().bfloat16()
+    tile = gg.CONFIGS[config].tile[0]
+    cap = gg.capacity_tiles(M, 16, tile)
+    row_dest, tile_expert = gg.expert_tiles(offsets, M, tile, cap)
+    padded = a.new_zeros(cap * tile, K).index_copy_(0, row_dest, a)
+    got = gg.expert_tiled_mm(padded, b, tile_expert, config)[row_dest]
+    want = torch._grouped_mm(a, b, offs=offsets)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
 def test_routed_experts_grouped_gemm_names():
