@@ -8,6 +8,10 @@ token copy order[m] = i·k + j, token i's j-th choice) and ``inverse`` its inver
     u = combine_rows(y, weights, order, inverse)   # y [N·k, ℓ], weights [N, k] → u [N, ℓ],
                                                    # u[i] = Σ_j weights[i, j] · y[inverse[i·k + j]]
 
+A padded grouped layout (``pad_rows``: P grouped rows that hold no token copy, as the expert-tiled GEMMs want;
+``inverse`` then maps into N·k + P rows) is written with zeros in those rows by dispatch, and combine neither
+reads them nor gives them a gradient other than 0.
+
 Sums (over the k copies, and over ℓ for dweights) are taken in fp32; outputs and gradients come
 in their input's dtype (u and dy in y's, dz in z's, dweights in weights'). ``order`` and
 ``inverse`` are int32 or int64 on the tensors' device; both backwards are gathers, or scatters
@@ -53,26 +57,26 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, inverse, top_k):
+    def forward(ctx, z, inverse, top_k, pad_rows):
         from .triton_permute import dispatch_forward
         ctx.save_for_backward(inverse)
         ctx.top_k, ctx.dtype = top_k, z.dtype
-        return dispatch_forward(z, inverse, top_k)
+        return dispatch_forward(z, inverse, top_k, pad_rows)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dx):
         from .triton_permute import dispatch_backward
         (inverse,) = ctx.saved_tensors
-        return dispatch_backward(_rows(dx), inverse, ctx.top_k, ctx.dtype), None, None
+        return dispatch_backward(_rows(dx), inverse, ctx.top_k, ctx.dtype), None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weights, inverse):
+    def forward(ctx, y, weights, inverse, pad_rows):
         from .triton_permute import combine_forward
         need_dy, need_dw = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(y if need_dw else None, weights if need_dy else None, inverse)
+        ctx.save_for_backward(y if need_dw else None, weights if need_dy else None, inverse, pad_rows)
         ctx.top_k, ctx.dtypes = weights.shape[1], (y.dtype, weights.dtype)
         return combine_forward(y, weights, inverse)
 
@@ -80,21 +84,22 @@ class _CombineRows(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, du):
         from .triton_permute import combine_backward
-        y, weights, inverse = ctx.saved_tensors
-        dy, dw = combine_backward(_rows(du), y, weights, inverse, ctx.top_k, *ctx.dtypes)
-        return dy, dw, None
+        y, weights, inverse, pad_rows = ctx.saved_tensors
+        dy, dw = combine_backward(_rows(du), y, weights, inverse, ctx.top_k, *ctx.dtypes, pad_rows)
+        return dy, dw, None, None
 
 
 # Under torch.compile: the same kernels as custom ops.
 @torch.library.custom_op("k3::moe_dispatch_rows", mutates_args=())
-def _dispatch(z: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+def _dispatch(z: torch.Tensor, inverse: torch.Tensor, top_k: int, pad_rows: torch.Tensor | None = None
+              ) -> torch.Tensor:
     from .triton_permute import dispatch_forward
-    return dispatch_forward(z, inverse, top_k)
+    return dispatch_forward(z, inverse, top_k, pad_rows)
 
 
 @_dispatch.register_fake
-def _dispatch_fake(z, inverse, top_k):
-    return z.new_empty(z.shape[0] * top_k, z.shape[1])
+def _dispatch_fake(z, inverse, top_k, pad_rows=None):
+    return z.new_empty(z.shape[0] * top_k + (0 if pad_rows is None else pad_rows.shape[0]), z.shape[1])
 
 
 @torch.library.custom_op("k3::moe_dispatch_rows_backward", mutates_args=())
@@ -109,41 +114,42 @@ def _dispatch_backward_fake(dx, inverse, top_k, dtype):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    z, inverse, ctx.top_k = inputs
+    z, inverse, ctx.top_k, _ = inputs
     ctx.dtype = z.dtype
     ctx.save_for_backward(inverse)
 
 
 def _dispatch_grad(ctx, dx):
     (inverse,) = ctx.saved_tensors
-    return _dispatch_backward(dx, inverse, ctx.top_k, ctx.dtype), None, None
+    return _dispatch_backward(dx, inverse, ctx.top_k, ctx.dtype), None, None, None
 
 
 _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
 
 
 @torch.library.custom_op("k3::moe_combine_rows", mutates_args=())
-def _combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+def _combine(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, pad_rows: torch.Tensor | None = None
+             ) -> torch.Tensor:
     from .triton_permute import combine_forward
     return combine_forward(y, weights, inverse)
 
 
 @_combine.register_fake
-def _combine_fake(y, weights, inverse):
+def _combine_fake(y, weights, inverse, pad_rows=None):
     return y.new_empty(weights.shape[0], y.shape[1])
 
 
 @torch.library.custom_op("k3::moe_combine_rows_backward", mutates_args=())
-def _combine_backward(du: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _combine_backward(du: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
+                      pad_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dy, dweights); both are always formed (in training the gate weights and the expert
     outputs both need gradients)."""
     from .triton_permute import combine_backward
-    return combine_backward(_rows(du), y, weights, inverse, weights.shape[1], y.dtype, weights.dtype)
+    return combine_backward(_rows(du), y, weights, inverse, weights.shape[1], y.dtype, weights.dtype, pad_rows)
 
 
 @_combine_backward.register_fake
-def _combine_backward_fake(du, y, weights, inverse):
+def _combine_backward_fake(du, y, weights, inverse, pad_rows=None):
     return y.new_empty(y.shape), weights.new_empty(weights.shape)
 
 
@@ -152,8 +158,8 @@ def _combine_setup(ctx, inputs, output):
 
 
 def _combine_grad(ctx, du):
-    y, weights, inverse = ctx.saved_tensors
-    return *_combine_backward(du, y, weights, inverse), None
+    y, weights, inverse, pad_rows = ctx.saved_tensors
+    return *_combine_backward(du, y, weights, inverse, pad_rows), None, None
 
 
 _combine.register_autograd(_combine_grad, setup_context=_combine_setup)
@@ -162,28 +168,42 @@ _dispatch_call = eager_or_compiled(_DispatchRows.apply, _dispatch)
 _combine_call = eager_or_compiled(_CombineRows.apply, _combine)
 
 
+def _check_padding(pad_rows: torch.Tensor | None, device: torch.device) -> None:
+    if pad_rows is not None and (pad_rows.ndim != 1 or pad_rows.dtype not in _INDEX_DTYPES or
+                                 pad_rows.device != device):
+        raise ValueError(f"pad_rows must be an int32/int64 1-D tensor on {device}, got {tuple(pad_rows.shape)} "
+                         f"{pad_rows.dtype} on {pad_rows.device}")
+
+
 def dispatch_rows(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int,
-                  backend: str = "auto") -> torch.Tensor:
-    """z [N, ℓ] → x [N·k, ℓ] in z.dtype, x[m] = z[order[m] // top_k]; dz sums the k copies."""
+                  backend: str = "auto", pad_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """z [N, ℓ] → x [N·k + P, ℓ] in z.dtype, x[m] = z[order[m] // top_k]; dz sums the k copies.
+
+    ``pad_rows`` [P] (default none): rows of a padded grouped layout that hold no token copy, written as
+    zeros; ``inverse`` then maps into the N·k + P rows (``order`` is not used for padded layouts)."""
     if z.ndim != 2 or top_k < 1:
         raise ValueError(f"z must be [N, ℓ] and top_k ≥ 1, got {tuple(z.shape)} and {top_k}")
     _check_indices(order, inverse, z.shape[0] * top_k, z.device)
+    _check_padding(pad_rows, z.device)
     if use_triton(z, backend, "MoE permute"):
-        return _dispatch_call(_rows(z), inverse.contiguous(), int(top_k))
-    return reference.dispatch_rows(z, order, inverse, top_k)
+        return _dispatch_call(_rows(z), inverse.contiguous(), int(top_k), pad_rows)
+    return reference.dispatch_rows(z, order, inverse, top_k, pad_rows)
 
 
 def combine_rows(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
-                 backend: str = "auto") -> torch.Tensor:
-    """y [N·k, ℓ] (grouped rows), weights [N, k] (fp32 or y.dtype) → u [N, ℓ] in y.dtype,
-    u[i] = Σ_j weights[i, j] · y[inverse[i·k + j]]."""
-    if y.ndim != 2 or weights.ndim != 2 or y.shape[0] != weights.numel():
-        raise ValueError(f"y must be [N·k, ℓ] for weights [N, k], got {tuple(y.shape)} and "
+                 backend: str = "auto", pad_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """y [N·k + P, ℓ] (grouped rows), weights [N, k] (fp32 or y.dtype) → u [N, ℓ] in y.dtype,
+    u[i] = Σ_j weights[i, j] · y[inverse[i·k + j]]; the P rows ``pad_rows`` (as ``dispatch_rows``) are not
+    read and get zero gradients."""
+    pad = 0 if pad_rows is None else pad_rows.numel()
+    if y.ndim != 2 or weights.ndim != 2 or y.shape[0] != weights.numel() + pad:
+        raise ValueError(f"y must be [N·k{f' + {pad}' if pad else ''}, ℓ] for weights [N, k], got {tuple(y.shape)} and "
                          f"{tuple(weights.shape)}")
     if weights.dtype not in (torch.float32, y.dtype) or weights.device != y.device:
         raise ValueError(f"weights must be fp32 or y's dtype {y.dtype} on {y.device}, got "
                          f"{weights.dtype} on {weights.device}")
-    _check_indices(order, inverse, y.shape[0], y.device)
+    _check_indices(order, inverse, weights.numel(), y.device)
+    _check_padding(pad_rows, y.device)
     if use_triton(y, backend, "MoE permute"):
-        return _combine_call(_rows(y), weights.contiguous(), inverse.contiguous())
+        return _combine_call(_rows(y), weights.contiguous(), inverse.contiguous(), pad_rows)
     return reference.combine_rows(y, weights, order, inverse)

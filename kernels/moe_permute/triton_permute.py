@@ -151,23 +151,31 @@ def _check(rows: tuple[torch.Tensor, ...], inverse: torch.Tensor, n: int, top_k:
                          f"{tuple(inverse.shape)} {inverse.dtype}")
 
 
-def dispatch_forward(z: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
-    """z [N, ℓ] → x [N·k, ℓ] (contiguous, z.dtype) with x[inverse[i·k + j]] = z[i]."""
+def _zero_padding(rows: torch.Tensor, pad_rows: torch.Tensor | None) -> torch.Tensor:
+    """rows with its padding rows (the rows no token copy maps to) set to 0."""
+    return rows if pad_rows is None or not pad_rows.numel() else rows.index_fill_(0, pad_rows, 0)
+
+
+def dispatch_forward(z: torch.Tensor, inverse: torch.Tensor, top_k: int,
+                     pad_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """z [N, ℓ] → x [N·k + P, ℓ] (contiguous, z.dtype) with x[inverse[i·k + j]] = z[i] and the P rows
+    ``pad_rows`` (none by default) zero."""
     n, ell = z.shape
     _check((z,), inverse, n, top_k)
-    x = torch.empty((n * top_k, ell), dtype=z.dtype, device=z.device)
-    if x.numel():
+    pad = 0 if pad_rows is None else pad_rows.numel()
+    x = torch.empty((n * top_k + pad, ell), dtype=z.dtype, device=z.device)
+    if n and ell:
         grid, meta = _launch(n, ell, top_k, z)
         _dispatch_fwd_kernel[grid](z, inverse, x, n, ell, z.stride(0), x.stride(0), **meta)
-    return x
+    return _zero_padding(x, pad_rows)
 
 
 def dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int,
                       dtype: torch.dtype | None = None) -> torch.Tensor:
-    """dx [N·k, ℓ] → dz [N, ℓ] (contiguous, ``dtype`` or dx.dtype),
-    dz[i] = Σ_j dx[inverse[i·k + j]]."""
-    m, ell = dx.shape
-    n = m // top_k
+    """dx [N·k + P, ℓ] → dz [N, ℓ] (contiguous, ``dtype`` or dx.dtype),
+    dz[i] = Σ_j dx[inverse[i·k + j]] (padding rows are not read)."""
+    ell = dx.shape[1]
+    n = inverse.numel() // top_k
     _check((dx,), inverse, n, top_k)
     dz = torch.empty((n, ell), dtype=dtype or dx.dtype, device=dx.device)
     if dz.numel():
@@ -177,13 +185,13 @@ def dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int,
 
 
 def combine_forward(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """y [N·k, ℓ], weights [N, k] (contiguous) → u [N, ℓ] (contiguous, y.dtype),
-    u[i] = Σ_j weights[i, j] · y[inverse[i·k + j]]."""
+    """y [N·k + P, ℓ], weights [N, k] (contiguous) → u [N, ℓ] (contiguous, y.dtype),
+    u[i] = Σ_j weights[i, j] · y[inverse[i·k + j]] (padding rows are not read)."""
     n, top_k = weights.shape
     ell = y.shape[1]
     _check((y, weights), inverse, n, top_k)
-    if y.shape[0] != n * top_k or not weights.is_contiguous():
-        raise ValueError(f"y {tuple(y.shape)} needs N·k rows for contiguous weights {tuple(weights.shape)}")
+    if y.shape[0] < n * top_k or not weights.is_contiguous():
+        raise ValueError(f"y {tuple(y.shape)} needs ≥ N·k rows for contiguous weights {tuple(weights.shape)}")
     u = torch.empty((n, ell), dtype=y.dtype, device=y.device)
     if u.numel():
         grid, meta = _launch(n, ell, top_k, y)
@@ -192,18 +200,19 @@ def combine_forward(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tenso
 
 
 def combine_backward(du: torch.Tensor, y: torch.Tensor | None, weights: torch.Tensor | None,
-                     inverse: torch.Tensor, top_k: int, y_dtype: torch.dtype, w_dtype: torch.dtype
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dy [N·k, ℓ] in y_dtype, dweights [N, k] in w_dtype) from du [N, ℓ]: dy needs ``weights``
-    and dweights needs ``y``; each is None where its input is None."""
+                     inverse: torch.Tensor, top_k: int, y_dtype: torch.dtype, w_dtype: torch.dtype,
+                     pad_rows: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dy [N·k + P, ℓ] in y_dtype, its P rows ``pad_rows`` zero; dweights [N, k] in w_dtype) from du [N, ℓ]:
+    dy needs ``weights`` and dweights needs ``y``; each is None where its input is None."""
     n, ell = du.shape
     need_dy, need_dw = weights is not None, y is not None
     _check((du,) + ((y,) if need_dw else ()), inverse, n, top_k)
+    pad = 0 if pad_rows is None else pad_rows.numel()
     if need_dy and (weights.shape != (n, top_k) or not weights.is_contiguous()):
         raise ValueError(f"weights must be contiguous [{n}, {top_k}], got {tuple(weights.shape)}")
-    if need_dw and y.shape != (n * top_k, ell):
-        raise ValueError(f"y must be [{n}·{top_k}, {ell}], got {tuple(y.shape)}")
-    dy = torch.empty((n * top_k, ell), dtype=y_dtype, device=du.device) if need_dy else None
+    if need_dw and y.shape != (n * top_k + pad, ell):
+        raise ValueError(f"y must be [{n}·{top_k} + {pad}, {ell}], got {tuple(y.shape)}")
+    dy = torch.empty((n * top_k + pad, ell), dtype=y_dtype, device=du.device) if need_dy else None
     dw = torch.empty((n, top_k), dtype=w_dtype, device=du.device) if need_dw else None
     if n and (need_dy or need_dw):
         grid, meta = _launch(n, ell, top_k, du)
@@ -211,4 +220,4 @@ def combine_backward(du: torch.Tensor, y: torch.Tensor | None, weights: torch.Te
                                   dy if need_dy else du, dw if need_dw else du, n, ell, du.stride(0),
                                   y.stride(0) if need_dw else 0, dy.stride(0) if need_dy else 0,
                                   NEED_DY=need_dy, NEED_DW=need_dw, **meta)
-    return dy, dw
+    return (_zero_padding(dy, pad_rows) if need_dy else None), dw

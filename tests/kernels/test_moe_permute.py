@@ -180,6 +180,36 @@ def test_triton_strided_rows_and_partial_grads():
 
 
 @triton_cpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_triton_padded_layout(backend):
+    """A grouped layout with P padding rows among its N·k + P (``pad_rows``, what the expert-tiled GEMMs
+    need): dispatch writes zeros there, combine never reads them (NaN there changes nothing) and gives them
+    zero gradients; the other rows match the unpadded layout's exactly."""
+    N, E, k, ell, P = 23, 6, 3, 37, 11
+    _, order, inverse = routing(N, E, k, seed=60)
+    g = torch.Generator().manual_seed(61)
+    shuffled = torch.randperm(N * k + P, generator=g)
+    real_rows, pad_rows = shuffled[:N * k].sort().values.to(DEV), shuffled[N * k:].to(DEV)
+    inverse_p = real_rows[inverse]
+    z, w = random_input((N, ell), 62), random_input((N, k), 63)
+    y, dx, du = random_input((N * k, ell), 64), random_input((N * k, ell), 65), random_input((N, ell), 66)
+    y_p = torch.full((N * k + P, ell), float("nan"), device=DEV).index_copy_(0, real_rows, y)
+    dx_p = random_input((N * k + P, ell), 67).index_copy_(0, real_rows, dx)
+    want = _grads(lambda a: dispatch_rows(a, order, inverse, k, backend=backend),
+                  lambda a, b: combine_rows(a, b, order, inverse, backend=backend), z, y, w, dx, du)
+    x_p, dz, u, dy_p, dw = _grads(
+        lambda a: dispatch_rows(a, order, inverse_p, k, backend=backend, pad_rows=pad_rows),
+        lambda a, b: combine_rows(a, b, order, inverse_p, backend=backend, pad_rows=pad_rows), z, y_p, w, dx_p, du)
+    assert x_p.shape == y_p.shape == dy_p.shape
+    assert not x_p[pad_rows].any() and not dy_p[pad_rows].any()
+    for got, ref in ((x_p[real_rows], want[0]), (dz, want[1]), (u, want[2]), (dy_p[real_rows], want[3]),
+                     (dw, want[4])):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"N·k \+ 11"):
+        combine_rows(y, w, order, inverse_p, backend=backend, pad_rows=pad_rows)
+
+
+@triton_cpu
 def test_triton_empty():
     """N = 0 (nothing launched) and ℓ = 0 (dweights = 0)."""
     for N, ell in ((0, 16), (5, 0)):
