@@ -254,8 +254,8 @@ def main(argv=None):
                          "such as the loop's host syncs, fall back to do_bench)")
     ap.add_argument("--grouped-gemms", default="torch",
                     help="grouped rows, one per grouped GEMM, comma-separated: torch, cutlass:<i> (forward and dgrad "
-                         "by kernels.grouped_gemm_sm90's configuration i, experimental) or cutlass:<i>:<j> (and the "
-                         "wgrad by configuration j)")
+                         "by kernels.grouped_gemm_sm90's configuration i, experimental), tiles:<i> (its expert-tiled "
+                         "kernel, rows padded per expert), or either with :<j> (and the wgrad by configuration j)")
     ap.add_argument("--profile", action="store_true",
                     help="also list each row's CUDA kernels with their ms per fwd+bwd (torch.profiler, eager)")
     ap.add_argument("--json", default="moe_bench.json")
@@ -325,7 +325,7 @@ def main(argv=None):
                 return routed.forward_looped(z, experts, w)
 
             def grouped():
-                xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts)
+                xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts, routed.row_tile)
                 return dispatcher.combine(routed(xg, tokens_per_expert), w, handle)
 
             reference = out_and_grads(loop, leaves, dout)

@@ -13,7 +13,7 @@ W2 columns), so u is a partial sum per rank; it is all-reduced *before* the norm
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,33 +30,58 @@ from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import token_dispatcher
 from kernels.grouped_gemm_sm90 import CONFIGS as CUTLASS_CONFIGS
+from kernels.grouped_gemm_sm90 import expert_tiled_mm_op as cutlass_expert_tiled_mm
+from kernels.grouped_gemm_sm90 import expert_tiled_mm_reference, tile_groups
 from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
 from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
 from kernels.grouped_wgrad import grouped_wgrad
 from kernels.situ import situ_glu_packed
 
 
-def grouped_gemm_configs(gemm: str) -> tuple[int | None, int | None]:
-    """RoutedExperts.grouped_gemm → (CUTLASS configuration of the forward and dgrad products, of the wgrad):
-    "torch" → (None, None): ``torch._grouped_mm`` and ``kernels.grouped_wgrad``; "cutlass:i" → (i, None);
-    "cutlass:i:j" → (i, j), configurations of ``kernels.grouped_gemm_sm90`` (experimental)."""
+class GroupedGemm(NamedTuple):
+    """Which kernels run the routed experts' GEMMs (``RoutedExperts.grouped_gemm`` parsed): ``mm``, the CUTLASS
+    configuration of the forward and dgrad products (None: ``torch._grouped_mm``); ``wgrad``, that of the weight
+    gradients (None: ``kernels.grouped_wgrad``); ``tiled``: the products on the expert-tiled kernel, over rows
+    padded per expert to ``row_tile``."""
+    mm: int | None = None
+    wgrad: int | None = None
+    tiled: bool = False
+
+    @property
+    def row_tile(self) -> int:
+        return CUTLASS_CONFIGS[self.mm].tile[0] if self.tiled else 1
+
+
+def grouped_gemm_configs(gemm: str) -> GroupedGemm:
+    """RoutedExperts.grouped_gemm → GroupedGemm: "torch" → ``torch._grouped_mm`` and ``kernels.grouped_wgrad``;
+    "cutlass:i" → configuration i of ``kernels.grouped_gemm_sm90`` for the forward and dgrad products;
+    "tiles:i" → its expert-tiled kernel (one-CTA-cluster configurations; rows padded per expert); either with
+    ":j" → configuration j for the weight gradients too (experimental)."""
     parts = gemm.split(":")
-    ok = parts == ["torch"] or (parts[0] == "cutlass" and len(parts) in (2, 3) and
+    ok = parts == ["torch"] or (parts[0] in ("cutlass", "tiles") and len(parts) in (2, 3) and
                                 all(p.isdigit() and int(p) < len(CUTLASS_CONFIGS) for p in parts[1:]))
+    if ok and parts[0] == "tiles" and CUTLASS_CONFIGS[int(parts[1])].cluster_m != 1:
+        ok = False
     if not ok:
-        raise ValueError(f"grouped GEMM {gemm!r}: 'torch', 'cutlass:<i>' or 'cutlass:<i>:<j>' with i, j in "
-                         f"0..{len(CUTLASS_CONFIGS) - 1} (kernels.grouped_gemm_sm90.CONFIGS)")
+        tiled = [i for i, c in enumerate(CUTLASS_CONFIGS) if c.cluster_m == 1]
+        raise ValueError(f"grouped GEMM {gemm!r}: 'torch', 'cutlass:<i>[:<j>]' or 'tiles:<t>[:<j>]' with i, j in "
+                         f"0..{len(CUTLASS_CONFIGS) - 1} and t in {tiled} (kernels.grouped_gemm_sm90.CONFIGS)")
     if parts == ["torch"]:
-        return None, None
-    return int(parts[1]), int(parts[2]) if len(parts) == 3 else None
+        return GroupedGemm()
+    return GroupedGemm(int(parts[1]), int(parts[2]) if len(parts) == 3 else None, parts[0] == "tiles")
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int | None) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e] by ``torch._grouped_mm`` (config None) or a
-    ``kernels.grouped_gemm_sm90`` configuration."""
-    if config is None:
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gemm: GroupedGemm,
+                tile_expert: torch.Tensor | None) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e] by ``gemm``'s kernel; the expert-tiled one reads ``tile_expert``
+    (each M tile's expert) instead of the offsets, and runs as its plain-torch reference on CPU."""
+    if gemm.tiled:
+        if a.device.type == "cpu":
+            return expert_tiled_mm_reference(a, b, tile_expert, gemm.row_tile)
+        return cutlass_expert_tiled_mm(a.contiguous(), b, tile_expert, gemm.mm)
+    if gemm.mm is None:
         return torch._grouped_mm(a, b, offs=offsets)
-    return cutlass_grouped_mm(a.contiguous(), b, offsets, config)
+    return cutlass_grouped_mm(a.contiguous(), b, offsets, gemm.mm)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -65,37 +90,40 @@ class _GroupedLinear(torch.autograd.Function):
     unless a CUTLASS configuration is given for it (``grouped_gemm_configs``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, mm_config: int | None,
-                wgrad_config: int | None) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offsets)
-        ctx.configs = mm_config, wgrad_config
-        return _grouped_mm(x, w.transpose(-2, -1), offsets, mm_config)
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: GroupedGemm,
+                tile_expert: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets, tile_expert)
+        ctx.gemm = gemm
+        return _grouped_mm(x, w.transpose(-2, -1), offsets, gemm, tile_expert)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        x, w, offsets = ctx.saved_tensors
-        mm_config, wgrad_config = ctx.configs
-        grad_x = _grouped_mm(grad_y, w, offsets, mm_config) if ctx.needs_input_grad[0] else None
+        x, w, offsets, tile_expert = ctx.saved_tensors
+        gemm = ctx.gemm
+        grad_x = _grouped_mm(grad_y, w, offsets, gemm, tile_expert) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (grouped_wgrad(grad_y, x, offsets) if wgrad_config is None else
-                      cutlass_grouped_wgrad(grad_y.contiguous(), x.contiguous(), offsets, wgrad_config))
+            grad_w = (grouped_wgrad(grad_y, x, offsets) if gemm.wgrad is None else
+                      cutlass_grouped_wgrad(grad_y.contiguous(), x.contiguous(), offsets, gemm.wgrad))
         return grad_x, grad_w, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str = "torch") -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str = "torch",
+                   tile_expert: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x grouped by expert times each expert's weight: one grouped GEMM.
 
     x [M, K] (rows offsets[e-1]:offsets[e] belong to expert e), w [E, O, K], offsets [E] int32
     cumulative row counts → [M, O], row m = x[m] @ w[e(m)]ᵀ. Runs in x.dtype (bf16 under autocast).
     torch's fast path is bf16 on sm_90/sm_100; other dtypes and GPUs take its per-group fallback,
     which reads the offsets on the host (torch ≥ 2.10), as the CPU path does. ``gemm``: "torch", or
-    CUTLASS configurations of ``kernels.grouped_gemm_sm90`` ("cutlass:<i>[:<j>]", ``grouped_gemm_configs``;
-    experimental: bf16 on sm_90 with its library built; ``benchmarks/moe.py --grouped-gemms``).
+    CUTLASS configurations of ``kernels.grouped_gemm_sm90`` ("cutlass:<i>[:<j>]", "tiles:<i>[:<j>]",
+    ``grouped_gemm_configs``; experimental: bf16 on sm_90 with its library built; ``benchmarks/moe.py
+    --grouped-gemms``). "tiles" needs rows padded per expert to its ``row_tile`` (zero padding rows, rows past
+    the last expert's ignored) and ``tile_expert`` [M / row_tile] (``grouped_gemm_sm90.tile_groups``).
     """
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")
-    return _GroupedLinear.apply(x, w.to(x.dtype), offsets, *grouped_gemm_configs(gemm))
+    return _GroupedLinear.apply(x, w.to(x.dtype), offsets, grouped_gemm_configs(gemm), tile_expert)
 
 
 class RoutedExperts(nn.Module):
@@ -106,7 +134,8 @@ class RoutedExperts(nn.Module):
     drawn first, so the model is the same at any TP and EP size.
     ``weight_fake_quant`` / ``input_fake_quant``: optional callables applied to every expert
     weight and GEMM input (quantization-aware training; None means full precision). ``grouped_gemm``:
-    which grouped GEMM runs the forward and dgrad products (``grouped_linear``; "torch" unless set).
+    which grouped GEMM runs the forward and dgrad products (``grouped_linear``; "torch" unless set); the
+    dispatcher pads each expert's rows to ``row_tile`` for the expert-tiled ones.
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPSpec):
@@ -128,6 +157,11 @@ class RoutedExperts(nn.Module):
         self.input_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.grouped_gemm = "torch"  # grouped_linear's gemm (grouped_gemm_configs)
 
+    @property
+    def row_tile(self) -> int:
+        """The rows each expert's group is padded to a multiple of (1: no padding)."""
+        return grouped_gemm_configs(self.grouped_gemm).row_tile
+
     def _operands(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_fake_quant is not None:
             x = self.input_fake_quant(x)
@@ -137,7 +171,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor | None = None,
                 w2: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, ℓ] token copies sorted by group, tokens_per_expert [G] → y [M, ℓ] (TP partial sums).
+        """x [M, ℓ] token copies sorted by group, tokens_per_expert [G] → y [M, ℓ] (TP partial sums); with
+        ``row_tile`` > 1, each group's count a multiple of it (the padded layout of the dispatcher).
 
         y_m = W2_g · SiTU(W1_g x_m, W3_g x_m) for the group g of row m; two grouped GEMMs. The
         groups are this rank's experts, or the stacks ``w13`` [G, 2·I_local, ℓ] / ``w2`` [G, ℓ,
@@ -149,9 +184,11 @@ class RoutedExperts(nn.Module):
             # dispatcher's backward all-to-alls must run on every rank
             return x + 0.0 * (w13.sum() + w2.sum())
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets, self.grouped_gemm), self.beta,
-                            self.linear_beta)
-        return grouped_linear(*self._operands(h, w2), offsets, self.grouped_gemm)
+        tile = self.row_tile
+        tile_expert = tile_groups(offsets // tile, x.shape[0] // tile) if tile > 1 else None
+        h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets, self.grouped_gemm, tile_expert),
+                            self.beta, self.linear_beta)
+        return grouped_linear(*self._operands(h, w2), offsets, self.grouped_gemm, tile_expert)
 
     def forward_looped(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference: z [N, ℓ], experts/weights [N, k] → u [N, ℓ], one GEMM per expert in a Python
@@ -225,7 +262,7 @@ class LatentMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         routing = self.gate(x)
         z = self.tp.copy_to_tp(self.routed_expert_down_proj(x))
-        grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts)
+        grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts, self.experts.row_tile)
         if observe:
             self.load.add(handle.tokens_per_expert, routing.experts.numel(), grouped.shape[0])
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias,

@@ -2,13 +2,16 @@
 
 The MoE layer calls, whatever the implementation:
 
-    x_grouped, tokens_per_expert, handle = dispatcher.dispatch(z, experts)
+    x_grouped, tokens_per_expert, handle = dispatcher.dispatch(z, experts, row_tile)
     y_grouped = routed_experts(x_grouped, tokens_per_expert)
     u = dispatcher.combine(y_grouped, weights, handle)
 
 with z [N, ℓ] latent tokens, experts/weights [N, k] (chosen ids, gate weights), x_grouped/y_grouped
 [M, ℓ] token copies sorted by expert (M = N·k locally) and tokens_per_expert [E_local] int64 on
-the device. Nothing here waits on the host: shapes depend on N and k only.
+the device. Nothing here waits on the host: shapes depend on N and k only. ``row_tile`` > 1 (the
+expert-tiled GEMMs' tile rows; local dispatch only) pads each expert's rows with zero rows to a multiple
+of it: M is then a fixed bound (``grouped_gemm_sm90.capacity_tiles``), tokens_per_expert counts the
+padded rows, and rows past the last expert's are padding too.
 
 ``LocalTokenDispatcher`` (expert parallel size 1) permutes by index through
 ``kernels.moe_permute``: fused Triton gathers/scatters on CUDA, the torch reference elsewhere.
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_slots
+from kernels.grouped_gemm_sm90 import capacity_tiles, expert_tiles
 from kernels.moe_permute import combine_rows, dispatch_rows
 
 
@@ -62,9 +66,10 @@ class DispatchHandle:
     token copies per expert (all E, for the load metrics)."""
 
     order: torch.Tensor  # [N·k] int64
-    inverse: torch.Tensor  # [N·k] int64
+    inverse: torch.Tensor  # [N·k] int64: the grouped row of each token copy
     top_k: int
     tokens_per_expert: torch.Tensor  # [E] int64
+    pad_rows: torch.Tensor | None = None  # the grouped rows that hold no copy (row_tile > 1)
 
 
 class LocalTokenDispatcher:
@@ -73,23 +78,33 @@ class LocalTokenDispatcher:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
-    def dispatch(self, z: torch.Tensor, experts: torch.Tensor
+    def dispatch(self, z: torch.Tensor, experts: torch.Tensor, row_tile: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        """z [N, ℓ], experts [N, k] → grouped rows [N·k, ℓ], tokens per expert [E], handle."""
+        """z [N, ℓ], experts [N, k] → grouped rows [N·k, ℓ], tokens per expert [E], handle; with
+        ``row_tile`` > 1 the padded layout (module docstring): [capacity · row_tile, ℓ] and padded counts."""
         sorted_experts, order = stable_sort(experts.flatten(), self.num_experts)
         inverse = inverse_permutation(order)
         tokens_per_expert = counts_of_sorted(sorted_experts, self.num_experts)  # [E], no host read
         k = experts.shape[1]
-        handle = DispatchHandle(order, inverse, k, tokens_per_expert)
-        return dispatch_rows(z, order, inverse, k), tokens_per_expert, handle
+        if row_tile == 1:
+            handle = DispatchHandle(order, inverse, k, tokens_per_expert)
+            return dispatch_rows(z, order, inverse, k), tokens_per_expert, handle
+        copies = order.numel()
+        capacity = capacity_tiles(copies, self.num_experts, row_tile)
+        row_dest, _ = expert_tiles(tokens_per_expert.cumsum(0), copies, row_tile, 0)
+        taken = torch.zeros(capacity * row_tile, dtype=torch.bool, device=z.device).index_fill_(0, row_dest, True)
+        pad_rows = torch.nonzero_static(~taken, size=capacity * row_tile - copies).squeeze(1)
+        handle = DispatchHandle(order, row_dest[inverse], k, tokens_per_expert, pad_rows)
+        padded_counts = (tokens_per_expert + row_tile - 1) // row_tile * row_tile
+        return dispatch_rows(z, order, handle.inverse, k, pad_rows=pad_rows), padded_counts, handle
 
     def expert_stacks(self, experts, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of the grouped rows: the experts' own stacks."""
         return experts.w13, experts.w2
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """y [N·k, ℓ] grouped, weights [N, k] → u [N, ℓ], u_i = Σ_j weights_ij · y_(i,j)."""
-        return combine_rows(y, weights, handle.order, handle.inverse)
+        """y [N·k, ℓ] grouped (or padded), weights [N, k] → u [N, ℓ], u_i = Σ_j weights_ij · y_(i,j)."""
+        return combine_rows(y, weights, handle.order, handle.inverse, pad_rows=handle.pad_rows)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -224,9 +239,12 @@ class ExpertParallelDispatcher:
         recv_splits = [sum(1 for e in replicas if e // E_l == h) for h in range(R)]
         return replicas, send, send_splits, recv_splits
 
-    def dispatch(self, z: torch.Tensor, experts: torch.Tensor):
+    def dispatch(self, z: torch.Tensor, experts: torch.Tensor, row_tile: int = 1):
         """z [N, ℓ], experts [N, k] (global ids) → rows computed here [M, ℓ] sorted by group,
         tokens per group [E_l] (home experts) or [2·E_l] (then the replica slots), handle."""
+        if row_tile != 1:
+            raise ValueError("expert-tiled grouped GEMMs (rows padded per expert) run without expert parallelism "
+                             "for now: set parallel.expert=1, or use the 'torch' or 'cutlass:<i>' grouped GEMMs")
         rows, tokens_per_expert, local = self.sort.dispatch(z, experts)
         gathered = [torch.empty_like(tokens_per_expert) for _ in range(self.size)]
         dist.all_gather(gathered, tokens_per_expert, group=self.group)

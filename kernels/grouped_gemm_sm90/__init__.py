@@ -33,8 +33,8 @@ only where ``RoutedExperts.grouped_gemm`` names a configuration (``benchmarks/mo
     rows' outputs are unspecified. Not yet run on a GPU (session 26 built it; its GPU test and the
     ``--gemm-products`` rows are the first check).
 
-``grouped_mm_op`` and ``grouped_wgrad_op`` are the same as the custom ops ``k3::grouped_mm_sm90`` and
-``k3::grouped_wgrad_sm90`` (with fakes for torch.compile).
+``grouped_mm_op`` and ``expert_tiled_mm_op`` (both the custom op ``k3::grouped_mm_sm90``) and ``grouped_wgrad_op``
+(``k3::grouped_wgrad_sm90``) are the same for torch.compile, with fakes.
 
 The library is built ahead with nvcc and CUTLASS's headers (``python -m kernels.grouped_gemm_sm90.build``;
 sm_90a code, so the build needs no GPU) and found at ``$K3_GROUPED_GEMM_LIB`` or ``LIB_DEFAULT``. The call
@@ -238,12 +238,17 @@ def expert_tiles(offsets: torch.Tensor, rows: int, tile_m: int, capacity: int) -
     ends = offsets.long()
     starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
     tile_end = torch.cumsum((ends - starts + tile_m - 1) // tile_m, 0)
-    tile_expert = torch.searchsorted(tile_end, torch.arange(capacity, device=ends.device), right=True)
-    tile_expert = torch.where(tile_expert < ends.numel(), tile_expert, -1).to(torch.int32)
     first_tile = torch.cat([tile_end.new_zeros(1), tile_end[:-1]])
     row = torch.arange(rows, device=ends.device)
     group = torch.searchsorted(ends, row, right=True)
-    return row + (first_tile * tile_m - starts)[group], tile_expert
+    return row + (first_tile * tile_m - starts)[group], tile_groups(tile_end, capacity)
+
+
+def tile_groups(tile_end: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[capacity] int32: the group of each M tile, from the groups' cumulative tile counts ``tile_end`` [G]
+    (for rows already padded per group: the cumulative row counts // tile_m); -1 past the last."""
+    group = torch.searchsorted(tile_end, torch.arange(capacity, device=tile_end.device), right=True)
+    return torch.where(group < tile_end.numel(), group, -1).to(torch.int32)
 
 
 def expert_tiled_mm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, config: int = 0) -> torch.Tensor:
@@ -288,18 +293,24 @@ def expert_tiled_mm_reference(a: torch.Tensor, b: torch.Tensor, tile_expert: tor
 
 
 @torch.library.custom_op("k3::grouped_mm_sm90", mutates_args=())
-def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int) -> torch.Tensor:
-    return grouped_mm(a, b, offsets, config)
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, groups: torch.Tensor, config: int, tiled: bool) -> torch.Tensor:
+    """``grouped_mm`` (``groups`` = offsets) or, ``tiled``, ``expert_tiled_mm`` (``groups`` = tile_expert)."""
+    return (expert_tiled_mm if tiled else grouped_mm)(a, b, groups, config)
 
 
 @_grouped_mm_op.register_fake
-def _grouped_mm_fake(a, b, offsets, config):
+def _grouped_mm_fake(a, b, groups, config, tiled):
     return a.new_empty(a.shape[0], b.shape[2])
 
 
 def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
     """``grouped_mm`` as the custom op ``k3::grouped_mm_sm90``: what compiled graphs call."""
-    return _grouped_mm_op(a, b, offsets, config)
+    return _grouped_mm_op(a, b, offsets, config, False)
+
+
+def expert_tiled_mm_op(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor, config: int = 0) -> torch.Tensor:
+    """``expert_tiled_mm`` as the same custom op: what compiled graphs call."""
+    return _grouped_mm_op(a, b, tile_expert, config, True)
 
 
 @torch.library.custom_op("k3::grouped_wgrad_sm90", mutates_args=())

@@ -1,5 +1,6 @@
-"""The grouped routed experts on CUDA in bf16 (torch._grouped_mm) against the per-expert loop in fp32,
-at bench-1B MoE dims, with natural and skewed routing. Run with ``pytest -m gpu``."""
+"""The grouped routed experts on CUDA in bf16 (torch._grouped_mm, and the expert-tiled CUTLASS kernel on rows
+padded per expert where its library is built) against the per-expert loop in fp32, at bench-1B MoE dims, with
+natural and skewed routing. Run with ``pytest -m gpu``."""
 
 from __future__ import annotations
 
@@ -18,11 +19,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def _cutlass_built() -> bool:
+    from kernels import grouped_gemm_sm90
+    return grouped_gemm_sm90.available()
+
+
 @pytest.mark.parametrize("routing", ["natural", "skewed"])
-def test_grouped_bf16_matches_fp32_loop(routing):
+@pytest.mark.parametrize("gemm", ["torch", "tiles:0"])
+def test_grouped_bf16_matches_fp32_loop(routing, gemm):
+    if gemm != "torch" and not _cutlass_built():
+        pytest.skip("needs kernels.grouped_gemm_sm90's library (python -m kernels.grouped_gemm_sm90.build)")
     torch.manual_seed(0)
     cfg = ModelConfig(num_experts=128, num_experts_per_token=8, latent_size=512, moe_intermediate_size=256)
     experts = RoutedExperts(cfg, TPSpec(None, 0.02)).cuda()
+    experts.grouped_gemm = gemm
     n, k, E = 4096, cfg.num_experts_per_token, cfg.num_experts
     if routing == "natural":
         idx = torch.randn(n, E, device="cuda").topk(k, dim=-1).indices
@@ -37,7 +47,7 @@ def test_grouped_bf16_matches_fp32_loop(routing):
 
     def grouped():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            rows, tokens_per_expert, handle = disp.dispatch(z.bfloat16(), idx)
+            rows, tokens_per_expert, handle = disp.dispatch(z.bfloat16(), idx, experts.row_tile)
             return disp.combine(experts(rows, tokens_per_expert), w, handle)
 
     params = (z, w, experts.w13, experts.w2)

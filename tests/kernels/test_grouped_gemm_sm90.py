@@ -162,14 +162,17 @@ def test_expert_tiled_matches_torch_grouped_mm(config, layout):
 
 def test_routed_experts_grouped_gemm_names():
     """RoutedExperts.grouped_gemm: torch by default, CUTLASS configurations by index (forward and dgrad, then
-    optionally the wgrad); a bad name fails in the forward, naming the forms."""
-    from k3train.model.moe import grouped_gemm_configs, grouped_linear
+    optionally the wgrad), expert-tiled ones with their row tile; a bad name fails in the forward, naming the
+    forms."""
+    from k3train.model.moe import GroupedGemm, grouped_gemm_configs, grouped_linear
 
-    assert grouped_gemm_configs("torch") == (None, None)
-    assert grouped_gemm_configs("cutlass:2") == (2, None)
-    assert grouped_gemm_configs("cutlass:1:4") == (1, 4)
-    for bad in ("cutlass", f"cutlass:{len(gg.CONFIGS)}", "cutlass:a", "cuda", "cutlass:1:2:3"):
-        with pytest.raises(ValueError, match="cutlass:<i>:<j>"):
+    assert grouped_gemm_configs("torch") == GroupedGemm() and GroupedGemm().row_tile == 1
+    assert grouped_gemm_configs("cutlass:2") == GroupedGemm(2, None)
+    assert grouped_gemm_configs("cutlass:1:4") == GroupedGemm(1, 4)
+    assert grouped_gemm_configs("tiles:1:3") == GroupedGemm(1, 3, tiled=True)
+    assert grouped_gemm_configs("tiles:1").row_tile == gg.CONFIGS[1].tile[0] == 64
+    for bad in ("cutlass", f"cutlass:{len(gg.CONFIGS)}", "cutlass:a", "cuda", "cutlass:1:2:3", "tiles:3"):
+        with pytest.raises(ValueError, match="cutlass:<i>\\[:<j>\\]"):
             grouped_gemm_configs(bad)
     with pytest.raises(ValueError, match="grouped GEMM 'cutlass:9'"):
         grouped_linear(torch.randn(4, 8), torch.randn(2, 6, 8), torch.tensor([2, 4], dtype=torch.int32), "cutlass:9")

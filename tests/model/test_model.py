@@ -203,7 +203,7 @@ def test_router_bias_changes_selection_only():
 
 def _routed(experts: RoutedExperts, z, idx, w):
     disp = LocalTokenDispatcher(experts.num_experts)
-    grouped, tokens_per_expert, handle = disp.dispatch(z, idx)
+    grouped, tokens_per_expert, handle = disp.dispatch(z, idx, experts.row_tile)
     return disp.combine(experts(grouped, tokens_per_expert), w, handle)
 
 
@@ -240,6 +240,32 @@ def test_grouped_experts_gradients_match_loop():
     for loop, grouped in zip(*grads):
         assert loop.abs().max() > 0
         torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_tiled_layout_matches_packed_rows():
+    """grouped_gemm "tiles:1" (rows padded per expert to 64; on CPU the kernel's tile-by-tile reference): the
+    dispatcher's padded rows are zero where no token copy sits, every expert's count is padded to the tile,
+    and outputs and gradients equal the packed layout's (fp32)."""
+    torch.manual_seed(8)
+    cfg = ModelConfig()
+    experts = RoutedExperts(cfg, TPSpec(None, 0.2))
+    z = torch.randn(50, cfg.latent_size, requires_grad=True)
+    idx = torch.rand(50, cfg.num_experts).topk(2, dim=-1).indices
+    idx[:20, 0] = 0  # an uneven split: expert 0 takes 20+ rows, most others a few
+    w = torch.rand(50, 2, requires_grad=True)
+    g = torch.randn(50, cfg.latent_size)
+    grads = []
+    for gemm in ("torch", "tiles:1"):
+        experts.grouped_gemm = gemm
+        grads.append(torch.autograd.grad(_routed(experts, z, idx, w), (z, w, experts.w13, experts.w2), g))
+    assert experts.row_tile == 64
+    rows, counts, handle = LocalTokenDispatcher(cfg.num_experts).dispatch(z, idx, 64)
+    assert rows.shape[0] % 64 == 0 and rows.shape[0] >= 100 and bool((counts % 64 == 0).all())
+    assert not rows[handle.pad_rows].any() and handle.pad_rows.numel() == rows.shape[0] - 100
+    assert torch.equal(handle.tokens_per_expert, torch.bincount(idx.flatten(), minlength=cfg.num_experts))
+    for packed, padded in zip(*grads):
+        assert packed.abs().max() > 0
+        torch.testing.assert_close(padded, packed, rtol=1e-5, atol=1e-6)
 
 
 def test_meta_device_full_k3_matches_spec_counts():
