@@ -1,5 +1,5 @@
 """``stable_sort``: the narrow-key sort gives int64 argsort's stable order for every key width, and
-``counts_of_sorted`` gives bincount's counts."""
+``counts_of_sorted`` gives bincount's counts; the expert-parallel dispatcher refuses padded rows."""
 
 from __future__ import annotations
 
@@ -20,3 +20,13 @@ def test_stable_sort_equals_int64_argsort_and_counts_equal_bincount(bound):
     assert torch.equal(sorted_keys.long(), keys[order])
     counts = counts_of_sorted(sorted_keys, bound)
     assert counts.dtype == torch.int64 and torch.equal(counts, torch.bincount(keys, minlength=bound))
+
+
+def test_expert_parallel_refuses_padded_rows():
+    """The expert-tiled GEMMs' padded layout is local only: the EP dispatcher says so before any collective."""
+    from types import SimpleNamespace
+
+    from k3train.parallel.token_dispatcher import ExpertParallelDispatcher
+
+    with pytest.raises(ValueError, match="parallel.expert=1"):
+        ExpertParallelDispatcher.dispatch(SimpleNamespace(), torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.long), 64)
