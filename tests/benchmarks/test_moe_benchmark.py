@@ -68,3 +68,13 @@ def test_routings(bench):
     skewed = torch.bincount(bench.make_routing("skewed", N, E, k, 256)[0].flatten(), minlength=E)
     mean = N * k / E
     assert natural.max() < 2 * mean < 4 * mean < skewed.max()  # roughly uniform vs Dirichlet(0.3)
+
+
+def test_expert_tiled_rows_check_against_the_loop(bench, tmp_path, one_rank):
+    """``--grouped-gemms torch,tiles:0``: the padded layout (the kernel's reference on CPU) is checked against the
+    loop like the packed one, and each gets its row."""
+    res = run(bench, tmp_path, "--impls grouped --grouped-gemms torch,tiles:0")
+    assert [r["impl"] for r in res["rows"] if r["routing"] == "natural"] == ["grouped", "grouped tiles:0"]
+    for kind in ("natural", "skewed"):
+        errors = res["checks"][kind]["grouped tiles:0"]
+        assert max(errors.values()) < 1e-5, (kind, errors)
