@@ -300,9 +300,23 @@ struct ExpertTileScheduler : cutlass::gemm::kernel::detail::PersistentTileSchedu
     return work;
   }
 
+  // The base's versions of these call its own get_current_work (no virtual dispatch), so each is restated
+  // with the one above: the ping-pong kernel calls initial_work_tile_info and get_current_work, the
+  // cooperative one fetch_next_work.
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
     return get_current_work();
+  }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work) {
+    if (continue_current_work(work)) return cute::make_tuple(work, true);
+    advance_to_next_work();
+    return cute::make_tuple(get_current_work(), true);
+  }
+
+  template <class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work, Pipeline&, PipelineState) {
+    return fetch_next_work(work);
   }
 
  private:
