@@ -247,7 +247,7 @@ def expert_tiles(offsets: torch.Tensor, rows: int, tile_m: int, capacity: int) -
 def tile_groups(tile_end: torch.Tensor, capacity: int) -> torch.Tensor:
     """[capacity] int32: the group of each M tile, from the groups' cumulative tile counts ``tile_end`` [G]
     (for rows already padded per group: the cumulative row counts // tile_m); -1 past the last."""
-    group = torch.searchsorted(tile_end, torch.arange(capacity, device=tile_end.device), right=True)
+    group = torch.searchsorted(tile_end.long(), torch.arange(capacity, device=tile_end.device), right=True)
     return torch.where(group < tile_end.numel(), group, -1).to(torch.int32)
 
 
