@@ -156,6 +156,18 @@ __global__ void zero_empty_groups(Bf16* d, const int* offsets, int64_t group_ele
   for (int64_t i = threadIdx.x; i < group_elems; i += blockDim.x) out[i] = Bf16(0.0f);
 }
 
+// Runs a CUTLASS device GEMM on its arguments: 0, or the step that failed (2 workspace too small, 3
+// can_implement, 4 initialize, 5 run, 6 a launch error).
+template <class Gemm>
+int launch(typename Gemm::Arguments const& args, void* workspace, size_t workspace_size, cudaStream_t stream) {
+  if (Gemm::get_workspace_size(args) > workspace_size) return 2;
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 3;
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 4;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return 5;
+  return cudaGetLastError() == cudaSuccess ? 0 : 6;
+}
+
 template <class G>
 size_t workspace_bytes(int groups, int sm_count) {
   typename G::Arrays none{};
@@ -181,21 +193,14 @@ int run(const void* a, const void* b, void* d, const int* offsets, int groups, i
                                                   static_cast<int64_t>(rows_fixed) * N);
   }
   if (cudaGetLastError() != cudaSuccess) return 1;
-  auto args = G::arguments(r, groups, sm_count);
-  if (G::Gemm::get_workspace_size(args) > workspace_size) return 2;
-  typename G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 3;
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 4;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return 5;
-  return cudaGetLastError() == cudaSuccess ? 0 : 6;
+  return launch<typename G::Gemm>(G::arguments(r, groups, sm_count), workspace, workspace_size, stream);
 }
 
-// The same configurations on CUTLASS's plain (not pointer-array) persistent kernels, batched: D[l] = A[l] @ B_l
-// with A [L, M, K], B k-major [L, N, K] (a [N, K] weight per batch), D [L, M, N], all packed. Not used by the
-// model: it measures what the pointer-array kernels' per-group machinery costs against the plain kernel on the
-// same tiles, with L = 1 (one dense GEMM) and L = E (equal groups, the batch switching every few tiles).
-template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM>
-struct BatchedGemm {
+// A configuration on CUTLASS's plain (not pointer-array) persistent kernel, problem (M, N, K, L), with the
+// operands' strides (A and D [M, ., L], B (N, K, L)) and the tile scheduler as parameters.
+template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM, class StrideA, class StrideB, class StrideD,
+          class SchedulerTag = void>
+struct PlainGemm {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   using MainloopSchedule = cute::conditional_t<PingPong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
@@ -207,27 +212,25 @@ struct BatchedGemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      Bf16, cutlass::layout::RowMajor, kAlign,  // C (not read: beta = 0)
-      Bf16, cutlass::layout::RowMajor, kAlign,  // D
+      Bf16, StrideD, kAlign,  // C (not read: beta = 0)
+      Bf16, StrideD, kAlign,  // D
       EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Bf16, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Bf16, cutlass::layout::RowMajor, kAlign,
-      Bf16, cutlass::layout::ColumnMajor, kAlign,
+      Bf16, StrideA, kAlign,
+      Bf16, StrideB, kAlign,
       float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      SchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  static typename Gemm::Arguments arguments(const void* a, const void* b, void* d, int L, int M, int N, int K,
-                                            int sm_count) {
-    using namespace cute;
-    auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(M, K, L));
-    auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(N, K, L));
-    auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(M, N, L));
+  // D = A @ B per batch, beta = 0 (D stands in for C, never read).
+  static typename Gemm::Arguments arguments(const void* a, StrideA sa, const void* b, StrideB sb, void* d, StrideD sd,
+                                            int M, int N, int K, int L, int sm_count) {
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kBatched,
         {M, N, K, L},
@@ -240,17 +243,26 @@ struct BatchedGemm {
   }
 };
 
-template <class G>
-int run_batched(const void* a, const void* b, void* d, int L, int M, int N, int K, void* workspace,
-                size_t workspace_size, int sm_count, cudaStream_t stream) {
-  auto args = G::arguments(a, b, d, L, M, N, K, sm_count);
-  if (G::Gemm::get_workspace_size(args) > workspace_size) return 2;
-  typename G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 3;
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 4;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return 5;
-  return cudaGetLastError() == cudaSuccess ? 0 : 6;
-}
+// The configurations batched: D[l] = A[l] @ B_l with A [L, M, K], B k-major [L, N, K] (a [N, K] weight per
+// batch), D [L, M, N], all packed. Not used by the model: it measures what the pointer-array kernels'
+// per-group machinery costs against the plain kernel on the same tiles, with L = 1 (one dense GEMM) and L = E
+// (equal groups, the batch switching every few tiles).
+template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM>
+struct BatchedGemm
+    : PlainGemm<PingPong, TileM, TileN, TileK, ClusterM, cutlass::detail::TagToStrideA_t<cutlass::layout::RowMajor>,
+                cutlass::detail::TagToStrideB_t<cutlass::layout::ColumnMajor>,
+                cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor>> {
+  using Base = typename BatchedGemm::PlainGemm;
+
+  static typename Base::Gemm::Arguments arguments(const void* a, const void* b, void* d, int L, int M, int N, int K,
+                                                  int sm_count) {
+    using namespace cute;
+    auto sa = cutlass::make_cute_packed_stride(typename Base::Kernel::StrideA{}, make_shape(M, K, L));
+    auto sb = cutlass::make_cute_packed_stride(typename Base::Kernel::StrideB{}, make_shape(N, K, L));
+    auto sd = cutlass::make_cute_packed_stride(typename Base::Kernel::StrideD{}, make_shape(M, N, L));
+    return Base::arguments(a, sa, b, sb, d, sd, M, N, K, L, sm_count);
+  }
+};
 
 // Expert-tiled grouped GEMM: the grouped product on the plain persistent kernel. Each group's rows are padded to a
 // multiple of TileM (``tile_expert`` says which group M tile m holds; -1 past the last), so every M tile lies in
@@ -336,75 +348,34 @@ struct TileSchedulerSelector<ExpertTileSchedulerTag, ArchTag, TileShape, Cluster
 
 namespace {
 
-// One configuration (cluster of one CTA) with B k-major (Mode 0, forward) or n-major (Mode 1, dgrad), as the
-// grouped modes 0 and 1.
+// The expert tiles' strides: A [M_pad, K] and D [M_pad, N] the same for every batch (a static zero batch
+// stride); B (n, k, g) at g·NK + n·K + k (k-major, Mode 0: the forward) or g·NK + k·N + n (n-major, Mode 1: dgrad).
+using ExpertTileStrideAD = cute::Stride<int64_t, cute::_1, cute::_0>;
+template <int Mode>
+using ExpertTileStrideB = cute::conditional_t<Mode == 0, cute::Stride<int64_t, cute::_1, int64_t>,
+                                              cute::Stride<cute::_1, int64_t, int64_t>>;
+
+// One configuration (cluster of one CTA) in one mode on the expert-tile scheduler.
 template <bool PingPong, int TileM, int TileN, int TileK, int Mode>
-struct ExpertTiledGemm {
-  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using MainloopSchedule = cute::conditional_t<PingPong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-  using EpilogueSchedule = cute::conditional_t<PingPong, cutlass::epilogue::TmaWarpSpecialized,
-                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
-  static constexpr int kAlign = 16 / sizeof(Bf16);
-  using StrideA = cute::Stride<int64_t, cute::_1, cute::_0>;  // [M_pad, K], the same for every batch
-  using StrideD = cute::Stride<int64_t, cute::_1, cute::_0>;  // [M_pad, N]
-  using StrideB = cute::conditional_t<Mode == 0, cute::Stride<int64_t, cute::_1, int64_t>,   // (n, k, g) at g*NK + n*K + k
-                                      cute::Stride<cute::_1, int64_t, int64_t>>;            //            g*NK + k*N + n
+struct ExpertTiledGemm : PlainGemm<PingPong, TileM, TileN, TileK, 1, ExpertTileStrideAD, ExpertTileStrideB<Mode>,
+                                   ExpertTileStrideAD, ExpertTileSchedulerTag> {
+  using Base = typename ExpertTiledGemm::PlainGemm;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      Bf16, StrideD, kAlign,  // C (not read: beta = 0)
-      Bf16, StrideD, kAlign,  // D
-      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Bf16, float>>::CollectiveOp;
-
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Bf16, StrideA, kAlign,
-      Bf16, StrideB, kAlign,
-      float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      MainloopSchedule>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      ExpertTileSchedulerTag>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-  static typename Gemm::Arguments arguments(const void* a, const void* b, void* d, const int* tile_expert,
-                                            int groups, int M, int N, int K, int sm_count) {
-    StrideA sa{static_cast<int64_t>(K), {}, {}};
-    StrideD sd{static_cast<int64_t>(N), {}, {}};
-    StrideB sb;
+  static typename Base::Gemm::Arguments arguments(const void* a, const void* b, void* d, const int* tile_expert,
+                                                  int groups, int M, int N, int K, int sm_count) {
+    int64_t nk = static_cast<int64_t>(N) * K;
+    ExpertTileStrideB<Mode> sb;
     if constexpr (Mode == 0) {
-      sb = StrideB{static_cast<int64_t>(K), {}, static_cast<int64_t>(N) * K};
+      sb = {static_cast<int64_t>(K), {}, nk};
     } else {
-      sb = StrideB{{}, static_cast<int64_t>(N), static_cast<int64_t>(N) * K};
+      sb = {{}, static_cast<int64_t>(N), nk};
     }
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kBatched,
-        {M, N, K, groups},
-        {static_cast<const Bf16*>(a), sa, static_cast<const Bf16*>(b), sb},
-        {{}, static_cast<const Bf16*>(d), sd, static_cast<Bf16*>(d), sd}};
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.hw_info.sm_count = sm_count;
+    auto args = Base::arguments(a, {static_cast<int64_t>(K), {}, {}}, b, sb, d, {static_cast<int64_t>(N), {}, {}},
+                                M, N, K, groups, sm_count);
     args.scheduler.tile_expert = tile_expert;
     return args;
   }
 };
-
-template <class G>
-int run_expert_tiled(const void* a, const void* b, void* d, const int* tile_expert, int groups, int M, int N, int K,
-                     void* workspace, size_t workspace_size, int sm_count, cudaStream_t stream) {
-  auto args = G::arguments(a, b, d, tile_expert, groups, M, N, K, sm_count);
-  if (G::Gemm::get_workspace_size(args) > workspace_size) return 2;
-  typename G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 3;
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 4;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return 5;
-  return cudaGetLastError() == cudaSuccess ? 0 : 6;
-}
 
 // A configuration's expert-tiled workspace size (workspace == nullptr) or run; -1 where its cluster is not one CTA.
 template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM>
@@ -417,7 +388,8 @@ int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int*
       using G = decltype(g);
       if (workspace == nullptr)
         return G::Gemm::get_workspace_size(G::arguments(nullptr, nullptr, nullptr, nullptr, groups, M, N, K, sm_count));
-      return run_expert_tiled<G>(a, b, d, tile_expert, groups, M, N, K, workspace, workspace_size, sm_count, stream);
+      return launch<typename G::Gemm>(G::arguments(a, b, d, tile_expert, groups, M, N, K, sm_count), workspace,
+                                      workspace_size, stream);
     };
     if (mode == 0) return call(ExpertTiledGemm<PingPong, TileM, TileN, TileK, 0>{});
     if (mode == 1) return call(ExpertTiledGemm<PingPong, TileM, TileN, TileK, 1>{});
@@ -497,8 +469,8 @@ int k3gg_batched_run(int config, const void* a, const void* b, void* d, int L, i
                      size_t workspace_size, int sm_count, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
 #define K3_CASE(i, pp, tm, tn, tk, cm) \
-  if (config == i) return run_batched<BatchedGemm<pp, tm, tn, tk, cm>>(a, b, d, L, M, N, K, workspace, \
-                                                                       workspace_size, sm_count, s);
+  if (config == i) return launch<BatchedGemm<pp, tm, tn, tk, cm>::Gemm>(                                        \
+      BatchedGemm<pp, tm, tn, tk, cm>::arguments(a, b, d, L, M, N, K, sm_count), workspace, workspace_size, s);
   K3_CONFIGS(K3_CASE)
 #undef K3_CASE
   return -1;
