@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_slots
-from kernels.grouped_gemm_sm90 import capacity_tiles, expert_tiles
+from kernels.grouped_gemm_sm90 import capacity_tiles, padded_rows
 from kernels.moe_permute import combine_rows, dispatch_rows
 
 
@@ -91,7 +91,7 @@ class LocalTokenDispatcher:
             return dispatch_rows(z, order, inverse, k), tokens_per_expert, handle
         copies = order.numel()
         capacity = capacity_tiles(copies, self.num_experts, row_tile)
-        row_dest, _ = expert_tiles(tokens_per_expert.cumsum(0), copies, row_tile, 0)
+        row_dest = padded_rows(tokens_per_expert.cumsum(0), copies, row_tile)
         taken = torch.zeros(capacity * row_tile, dtype=torch.bool, device=z.device).index_fill_(0, row_dest, True)
         pad_rows = torch.nonzero_static(~taken, size=capacity * row_tile - copies).squeeze(1)
         handle = DispatchHandle(order, row_dest[inverse], k, tokens_per_expert, pad_rows)

@@ -230,18 +230,23 @@ def capacity_tiles(rows: int, groups: int, tile_m: int) -> int:
     return (rows + groups * (tile_m - 1)) // tile_m
 
 
-def expert_tiles(offsets: torch.Tensor, rows: int, tile_m: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The padded layout of ``expert_tiled_mm`` for ``rows`` group-sorted rows with cumulative counts ``offsets``
-    [G] (int32, offsets[-1] == rows; no host read): ``row_dest`` [rows] int64, where each row goes, and
-    ``tile_expert`` [capacity] int32, the group of each M tile (-1 past the last). Group g's rows start at tile
-    Σ_{j<g} ⌈c_j / tile_m⌉."""
+def padded_rows(offsets: torch.Tensor, rows: int, tile_m: int) -> torch.Tensor:
+    """[rows] int64: where each of ``rows`` group-sorted rows (cumulative counts ``offsets`` [G], offsets[-1] ==
+    rows) goes when every group's rows are padded to a multiple of ``tile_m``: group g starts at row
+    tile_m · Σ_{j<g} ⌈c_j / tile_m⌉. On the device, no host read."""
     ends = offsets.long()
     starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
-    tile_end = torch.cumsum((ends - starts + tile_m - 1) // tile_m, 0)
-    first_tile = torch.cat([tile_end.new_zeros(1), tile_end[:-1]])
+    tiles = (ends - starts + tile_m - 1) // tile_m
+    padded_starts = tile_m * (torch.cumsum(tiles, 0) - tiles)
     row = torch.arange(rows, device=ends.device)
-    group = torch.searchsorted(ends, row, right=True)
-    return row + (first_tile * tile_m - starts)[group], tile_groups(tile_end, capacity)
+    return row + (padded_starts - starts)[torch.searchsorted(ends, row, right=True)]
+
+
+def expert_tiles(offsets: torch.Tensor, rows: int, tile_m: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded layout of ``expert_tiled_mm``: ``padded_rows`` and ``tile_groups`` ([capacity] int32, the
+    group of each M tile, -1 past the last)."""
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
+    return padded_rows(offsets, rows, tile_m), tile_groups(torch.cumsum((counts + tile_m - 1) // tile_m, 0), capacity)
 
 
 def tile_groups(tile_end: torch.Tensor, capacity: int) -> torch.Tensor:
