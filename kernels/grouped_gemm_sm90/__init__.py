@@ -230,16 +230,21 @@ def capacity_tiles(rows: int, groups: int, tile_m: int) -> int:
     return (rows + groups * (tile_m - 1)) // tile_m
 
 
+def padding_shift(counts: torch.Tensor, tile_m: int) -> torch.Tensor:
+    """[G] int64: how far each group's rows move when every group is padded to a multiple of ``tile_m``
+    (group g then starts at row tile_m · Σ_{j<g} ⌈c_j / tile_m⌉ instead of Σ_{j<g} c_j); ``counts`` [G]."""
+    counts = counts.long()
+    tiles = (counts + tile_m - 1) // tile_m
+    return (tile_m * tiles - counts).cumsum(0) - (tile_m * tiles - counts)
+
+
 def padded_rows(offsets: torch.Tensor, rows: int, tile_m: int) -> torch.Tensor:
     """[rows] int64: where each of ``rows`` group-sorted rows (cumulative counts ``offsets`` [G], offsets[-1] ==
-    rows) goes when every group's rows are padded to a multiple of ``tile_m``: group g starts at row
-    tile_m · Σ_{j<g} ⌈c_j / tile_m⌉. On the device, no host read."""
+    rows) goes in the padded layout (``padding_shift``). On the device, no host read."""
     ends = offsets.long()
-    starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
-    tiles = (ends - starts + tile_m - 1) // tile_m
-    padded_starts = tile_m * (torch.cumsum(tiles, 0) - tiles)
     row = torch.arange(rows, device=ends.device)
-    return row + (padded_starts - starts)[torch.searchsorted(ends, row, right=True)]
+    return row + padding_shift(torch.diff(ends, prepend=ends.new_zeros(1)), tile_m)[
+        torch.searchsorted(ends, row, right=True)]
 
 
 def expert_tiles(offsets: torch.Tensor, rows: int, tile_m: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
