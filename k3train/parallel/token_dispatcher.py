@@ -63,7 +63,8 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 class DispatchHandle:
     """What ``combine`` needs to undo ``dispatch``: ``order[m]`` is the token copy (i·k + j) at
     grouped row m, ``inverse`` its inverse permutation; ``tokens_per_expert`` counts this rank's
-    token copies per expert (all E, for the load metrics)."""
+    token copies per expert (all E, for the load metrics). In the padded layout ``order`` stays the packed
+    sort and ``inverse`` gives each copy's padded row; ``pad_rows`` lists the rest."""
 
     order: torch.Tensor  # [N·k] int64
     inverse: torch.Tensor  # [N·k] int64: the grouped row of each token copy
