@@ -16,12 +16,15 @@ from __future__ import annotations
 import torch
 
 
-def situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0,
-                 linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU(gate, up) computed in fp32 and returned in ``gate.dtype``; differentiable."""
+def situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
+                 row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """SiTU(gate, up) computed in fp32 (times ``row_scale`` [...] row by row, if given) and returned in
+    ``gate.dtype``; differentiable."""
     a, c = gate.float(), up.float()
     h = linear_beta * torch.tanh(c / linear_beta)
     out = beta * torch.tanh(a / beta) * torch.sigmoid(a) * h
+    if row_scale is not None:
+        out = out * row_scale.float().unsqueeze(-1)
     return out.to(gate.dtype)
 
 

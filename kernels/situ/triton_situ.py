@@ -113,24 +113,32 @@ def situ_grad_math(a, c, go, beta, linear_beta, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _situ_fwd_kernel(G, U, O, M, I, stride_g, stride_u, stride_o, beta, linear_beta,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _situ_fwd_kernel(G, U, S, O, M, I, stride_g, stride_u, stride_o, beta, linear_beta,
+                     HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows, cols, mask = _tile(M, I, BLOCK_M, BLOCK_N)
     a = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     out = situ_math(a, c, beta, linear_beta, O.dtype.element_ty == tl.float32)
+    if HAS_SCALE:
+        out *= tl.load(S + rows, mask=rows < M, other=0.0).to(tl.float32)
     tl.store(O + rows * stride_o + cols, out.to(O.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _situ_bwd_kernel(G, U, DO, DG, DU, M, I, stride_g, stride_u, stride_do, stride_dg,
-                     stride_du, beta, linear_beta,
+def _situ_bwd_kernel(G, U, DO, DG, DU, S, DS, M, I, stride_g, stride_u, stride_do, stride_dg,
+                     stride_du, beta, linear_beta, HAS_SCALE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows, cols, mask = _tile(M, I, BLOCK_M, BLOCK_N)
     a = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     go = tl.load(DO + rows * stride_do + cols, mask=mask, other=0.0).to(tl.float32)
-    dgate, dup = situ_grad_math(a, c, go, beta, linear_beta, DG.dtype.element_ty == tl.float32)
+    exact = DG.dtype.element_ty == tl.float32
+    if HAS_SCALE:  # out = s·SiTU: ds = Σ_cols go·SiTU (this program's columns: DS [M, column blocks]), go → s·go
+        part = tl.sum(go * situ_math(a, c, beta, linear_beta, exact), axis=1)
+        row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(DS + row * tl.num_programs(1) + tl.program_id(1), part, mask=row < M)
+        go *= tl.load(S + rows, mask=rows < M, other=0.0).to(tl.float32)
+    dgate, dup = situ_grad_math(a, c, go, beta, linear_beta, exact)
     tl.store(DG + rows * stride_dg + cols, dgate.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + rows * stride_du + cols, dup.to(DU.dtype.element_ty), mask=mask)
 
@@ -163,27 +171,43 @@ def _check_rows(*ts: torch.Tensor) -> None:
                              f"{[(tuple(x.shape), x.stride(), str(x.device)) for x in ts]}")
 
 
-def situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float,
-                 linear_beta: float) -> torch.Tensor:
-    """gate, up: [M, I] (rows may be strided) → SiTU(gate, up): contiguous [M, I], gate.dtype."""
+def _check_scale(scale: torch.Tensor | None, M: int, device: torch.device) -> None:
+    if scale is not None and (scale.shape != (M,) or not scale.is_contiguous() or scale.device != device):
+        raise ValueError(f"row_scale must be a contiguous [{M}] tensor on {device}, got {tuple(scale.shape)} "
+                         f"on {scale.device}")
+
+
+def situ_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float,
+                 row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """gate, up: [M, I] (rows may be strided) → SiTU(gate, up), each row times row_scale [M] if given:
+    contiguous [M, I], gate.dtype."""
     _check_rows(gate, up)
     M, I = gate.shape
+    _check_scale(row_scale, M, gate.device)
     out = torch.empty((M, I), dtype=gate.dtype, device=gate.device)
     if out.numel():
         grid, meta = _launch(M, I, gate)
-        _situ_fwd_kernel[grid](gate, up, out, M, I, gate.stride(0), up.stride(0), out.stride(0),
-                               float(beta), float(linear_beta), **meta)
+        _situ_fwd_kernel[grid](gate, up, gate if row_scale is None else row_scale, out, M, I, gate.stride(0),
+                               up.stride(0), out.stride(0), float(beta), float(linear_beta),
+                               HAS_SCALE=row_scale is not None, **meta)
     return out
 
 
 def situ_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, dgate: torch.Tensor,
-                  dup: torch.Tensor, beta: float, linear_beta: float) -> None:
-    """Write grad_out·∂SiTU/∂gate into dgate and grad_out·∂SiTU/∂up into dup (all [M, I],
-    rows may be strided; dgate and dup may be the halves of one [M, 2I] buffer)."""
+                  dup: torch.Tensor, beta: float, linear_beta: float,
+                  row_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Write grad_out·∂out/∂gate into dgate and grad_out·∂out/∂up into dup (all [M, I], rows may be strided;
+    dgate and dup may be the halves of one [M, 2I] buffer), out = SiTU or row_scale·SiTU; with row_scale,
+    return ∂out/∂row_scale·grad_out = Σ_cols grad_out·SiTU, [M] fp32 (per column block, then summed: no atomics)."""
     _check_rows(gate, up, grad_out, dgate, dup)
     M, I = gate.shape
-    if M * I:
-        grid, meta = _launch(M, I, gate)
-        _situ_bwd_kernel[grid](gate, up, grad_out, dgate, dup, M, I, gate.stride(0), up.stride(0),
-                               grad_out.stride(0), dgate.stride(0), dup.stride(0),
-                               float(beta), float(linear_beta), **meta)
+    _check_scale(row_scale, M, gate.device)
+    if not M * I:
+        return None if row_scale is None else torch.zeros(M, dtype=torch.float32, device=gate.device)
+    grid, meta = _launch(M, I, gate)
+    partial = None if row_scale is None else torch.empty(M, grid[1], dtype=torch.float32, device=gate.device)
+    _situ_bwd_kernel[grid](gate, up, grad_out, dgate, dup, gate if row_scale is None else row_scale,
+                           gate if partial is None else partial, M, I, gate.stride(0), up.stride(0),
+                           grad_out.stride(0), dgate.stride(0), dup.stride(0), float(beta), float(linear_beta),
+                           HAS_SCALE=row_scale is not None, **meta)
+    return None if partial is None else partial.sum(1)

@@ -188,6 +188,38 @@ def test_triton_autograd(dtype):
 
 
 @triton_cpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_row_scale(backend, dtype):
+    """situ_glu_packed(gate_up, row_scale=s) = s · SiTU row by row: the output and gate_up's gradient are the
+    reference's with grad_out scaled by s, and ds = Σ_I grad_out · SiTU (I = 45: several column blocks on the
+    interpreter, so ds sums partials), each within the tolerances above scaled by |s|."""
+    R_, I = 23, 45
+    gate_up, go = _inputs(R_, I, seed=40, dtype=dtype)
+    gate_up, go = gate_up.view(R_, 2 * I).to(DEV).requires_grad_(), go.view(R_, I).to(DEV)
+    scale = random_input((R_,), seed=41).to(DEV).requires_grad_()
+    y = situ_glu_packed(gate_up, BETA, LIN, backend=backend, row_scale=scale)
+    y.backward(go)
+    a, c, s = gate_up.detach()[:, :I], gate_up.detach()[:, I:], scale.detach()[:, None].double()
+    kw = dict(round_rel=ROUND[dtype], rtol=RTOL[dtype], tiny=TINY[dtype])
+    s_out, _, _, _ = _scales(a, c, go)
+    situ = R.situ_forward(a.double().cpu(), c.double().cpu(), BETA, LIN)
+    _assert_near(y, s.cpu() * situ, s.abs().cpu() * s_out.cpu(), what="out", **kw)
+    go_s = (go.double() * s).float()  # the kernel scales grad_out in fp32
+    _, s_dg, s_du, by_autograd = _scales(a, c, go_s)
+    if backend == "torch":  # autograd's own formula: an ulp of 1 in sech² and σ' (as in the tests above)
+        s_dg, s_du = by_autograd
+    ref_dg, ref_du = R.situ_backward(a.cpu(), c.cpu(), go_s.cpu(), BETA, LIN)
+    _assert_near(gate_up.grad[:, :I], ref_dg, s_dg, what="dgate", **kw)
+    _assert_near(gate_up.grad[:, I:], ref_du, s_du, what="dup", **kw)
+    ds = (go.double().cpu() * situ).sum(1)
+    _assert_near(scale.grad, ds, (go.double().abs().cpu() * s_out.cpu()).sum(1), rtol=RTOL[dtype], what="ds")
+    assert scale.grad.dtype == scale.dtype and scale.grad.abs().max() > 0
+    with pytest.raises(ValueError, match="row_scale must be"):
+        situ_glu_packed(gate_up, backend=backend, row_scale=scale[:-1])
+
+
+@triton_cpu
 def test_triton_empty_and_noncontiguous():
     for shape in [(0, 16), (2, 0, 16), (3, 0)]:
         x = torch.randn(*shape[:-1], 2 * shape[-1], device=DEV, requires_grad=True)
@@ -212,6 +244,9 @@ def test_triton_custom_op_registration():
     torch.library.opcheck(torch.ops.k3.situ_glu, (gate, up, BETA, LIN))
     torch.library.opcheck(torch.ops.k3.situ_glu_packed, (torch.cat([gate, up], -1).detach().requires_grad_(),
                                                          BETA, LIN))
+    torch.library.opcheck(torch.ops.k3.situ_glu_packed, (torch.cat([gate, up], -1).detach().requires_grad_(),
+                                                         BETA, LIN, random_input((3, 5), seed=8).to(DEV)
+                                                         .requires_grad_()))
 
 
 def test_triton_cpu_subprocess():
