@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # op_timing, moe
 
 from k3train.config.schema import ModelConfig, ParallelConfig  # noqa: E402
 from k3train.model.mlp import situ_glu  # noqa: E402
-from k3train.model.moe import RoutedExperts, grouped_gemm_configs  # noqa: E402
+from k3train.model.moe import RoutedExperts, experts_and_combine, grouped_gemm_configs  # noqa: E402
 from k3train.model.router import SigmoidRouter  # noqa: E402
 from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
@@ -326,7 +326,7 @@ def main(argv=None):
 
             def grouped():
                 xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts, routed.row_tile)
-                return dispatcher.combine(routed(xg, tokens_per_expert), w, handle)
+                return experts_and_combine(dispatcher, routed, xg, tokens_per_expert, w, handle)
 
             reference = out_and_grads(loop, leaves, dout)
             checks[kind] = {}

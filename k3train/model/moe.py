@@ -170,11 +170,12 @@ class RoutedExperts(nn.Module):
         return x, w
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor | None = None,
-                w2: torch.Tensor | None = None) -> torch.Tensor:
+                w2: torch.Tensor | None = None, row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, ℓ] token copies sorted by group, tokens_per_expert [G] → y [M, ℓ] (TP partial sums); with
         ``row_tile`` > 1, each group's count a multiple of it (the padded layout of the dispatcher).
 
-        y_m = W2_g · SiTU(W1_g x_m, W3_g x_m) for the group g of row m; two grouped GEMMs. The
+        y_m = W2_g · SiTU(W1_g x_m, W3_g x_m) for the group g of row m (times row_weights[m], [M], inside
+        SiTU's pass, where given: the gate weights folded in); two grouped GEMMs. The
         groups are this rank's experts, or the stacks ``w13`` [G, 2·I_local, ℓ] / ``w2`` [G, ℓ,
         I_local] the dispatcher gives (its experts plus fetched replicas).
         """
@@ -187,7 +188,7 @@ class RoutedExperts(nn.Module):
         tile = self.row_tile
         tile_expert = tile_groups(offsets // tile, x.shape[0] // tile) if tile > 1 else None
         h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets, self.grouped_gemm, tile_expert),
-                            self.beta, self.linear_beta)
+                            self.beta, self.linear_beta, row_scale=row_weights)
         return grouped_linear(*self._operands(h, w2), offsets, self.grouped_gemm, tile_expert)
 
     def forward_looped(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -211,6 +212,17 @@ class RoutedExperts(nn.Module):
             start += count
         y = torch.cat(outputs) * weights.flatten()[order].unsqueeze(-1).to(z.dtype)
         return torch.zeros_like(z).index_add_(0, token_of, y.to(z.dtype))
+
+
+def experts_and_combine(dispatcher, experts: RoutedExperts, grouped: torch.Tensor, tokens_per_expert: torch.Tensor,
+                        weights: torch.Tensor, handle) -> torch.Tensor:
+    """u [N, ℓ], u_i = Σ_j weights_ij · y_(i,j): the routed experts on ``dispatcher.dispatch``'s rows and the
+    weighted sum back. Where the dispatcher gives each row its weight (``grouped_weights``) and the experts
+    quantise no inputs (QAT quantises SiTU's unweighted output), the weights ride in SiTU's pass and the
+    combine is unweighted, so its backward no longer reads the expert outputs again."""
+    row_weights = dispatcher.grouped_weights(weights, handle) if experts.input_fake_quant is None else None
+    y = experts(grouped, tokens_per_expert, *dispatcher.expert_stacks(experts, handle), row_weights=row_weights)
+    return dispatcher.combine(y, weights if row_weights is None else None, handle)
 
 
 class LatentMoE(nn.Module):
@@ -267,8 +279,8 @@ class LatentMoE(nn.Module):
             self.load.add(handle.tokens_per_expert, routing.experts.numel(), grouped.shape[0])
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias,
                                   handle.tokens_per_expert)
-        y = self.experts(grouped, tokens_per_expert, *self.dispatcher.expert_stacks(self.experts, handle))
-        u = self.dispatcher.combine(y, self.tp.copy_to_tp(routing.weights), handle)
+        u = experts_and_combine(self.dispatcher, self.experts, grouped, tokens_per_expert,
+                                self.tp.copy_to_tp(routing.weights), handle)
         u = self.tp.reduce_from_tp(u)
         y = self.shared_experts(x) + self.routed_expert_up_proj(self.routed_expert_norm(u))
         return y.view(shape)

@@ -6,6 +6,10 @@ The MoE layer calls, whatever the implementation:
     y_grouped = routed_experts(x_grouped, tokens_per_expert)
     u = dispatcher.combine(y_grouped, weights, handle)
 
+or, where ``dispatcher.grouped_weights(weights, handle)`` gives each grouped row its gate weight (the local
+dispatcher; None elsewhere), with the weights applied inside the experts and an unweighted combine
+(``weights=None``), whose backward then need not read y again.
+
 with z [N, ℓ] latent tokens, experts/weights [N, k] (chosen ids, gate weights), x_grouped/y_grouped
 [M, ℓ] token copies sorted by expert (M = N·k locally) and tokens_per_expert [E_local] int64 on
 the device. Nothing here waits on the host: shapes depend on N and k only. ``row_tile`` > 1 (the
@@ -103,8 +107,16 @@ class LocalTokenDispatcher:
         """(w13, w2) of the grouped rows: the experts' own stacks."""
         return experts.w13, experts.w2
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """y [N·k, ℓ] grouped (or padded), weights [N, k] → u [N, ℓ], u_i = Σ_j weights_ij · y_(i,j)."""
+    def grouped_weights(self, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """weights [N, k] → [rows of dispatch's output]: each grouped row's gate weight (0 on padding rows)."""
+        rows = handle.inverse.numel() + (0 if handle.pad_rows is None else handle.pad_rows.numel())
+        return weights.new_zeros(rows).index_copy(0, handle.inverse, weights.flatten())
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
+        """y [N·k, ℓ] grouped (or padded), weights [N, k] → u [N, ℓ], u_i = Σ_j weights_ij · y_(i,j); weights
+        None: the rows are weighted already (``grouped_weights``), u_i = Σ_j y_(i,j)."""
+        if weights is None:
+            weights = y.new_ones(handle.inverse.numel() // handle.top_k, handle.top_k)
         return combine_rows(y, weights, handle.order, handle.inverse, pad_rows=handle.pad_rows)
 
 
@@ -276,6 +288,10 @@ class ExpertParallelDispatcher:
             pad = w.new_zeros(self.local_experts - got.shape[0], got.shape[1])
             out.append(torch.cat([w, torch.cat([got, pad]).view(self.local_experts, *w.shape[1:])]))
         return out[0], out[1]
+
+    def grouped_weights(self, weights: torch.Tensor, handle: ExpertParallelHandle) -> None:
+        """None: the gate weights stay with their tokens here (combine applies them)."""
+        return None
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor, handle: ExpertParallelHandle) -> torch.Tensor:
         """y [M, ℓ] (rows computed here, group-major), weights [N, k] → u [N, ℓ]."""

@@ -268,6 +268,34 @@ def test_expert_tiled_layout_matches_packed_rows():
         torch.testing.assert_close(padded, packed, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("gemm", ["torch", "tiles:1"])
+def test_gate_weights_folded_into_situ_match_the_weighted_combine(gemm):
+    """experts_and_combine (the layer's path: gate weights applied per row in SiTU's pass, unweighted combine)
+    against the experts then the weighted combine: same outputs and gradients (fp32), packed and padded rows."""
+    from k3train.model.moe import experts_and_combine
+
+    torch.manual_seed(9)
+    cfg = ModelConfig()
+    experts = RoutedExperts(cfg, TPSpec(None, 0.2))
+    experts.grouped_gemm = gemm
+    z = torch.randn(37, cfg.latent_size, requires_grad=True)
+    idx = torch.rand(37, cfg.num_experts).topk(2, dim=-1).indices
+    w = torch.rand(37, 2, requires_grad=True)
+    g = torch.randn(37, cfg.latent_size)
+    disp = LocalTokenDispatcher(cfg.num_experts)
+
+    def folded():
+        grouped, tokens_per_expert, handle = disp.dispatch(z, idx, experts.row_tile)
+        return experts_and_combine(disp, experts, grouped, tokens_per_expert, w, handle)
+
+    params = (z, w, experts.w13, experts.w2)
+    want = torch.autograd.grad(_routed(experts, z, idx, w), params, g)
+    got = torch.autograd.grad(folded(), params, g)
+    for a, b in zip(got, want):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_meta_device_full_k3_matches_spec_counts():
     from k3train.config.load import load_config
 
