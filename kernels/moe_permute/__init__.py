@@ -141,16 +141,19 @@ def _combine_fake(y, weights, inverse, pad_rows=None):
 
 @torch.library.custom_op("k3::moe_combine_rows_backward", mutates_args=())
 def _combine_backward(du: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor,
-                      pad_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dy, dweights); both are always formed (in training the gate weights and the expert
-    outputs both need gradients)."""
+                      pad_rows: torch.Tensor | None = None, need_dweights: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dy, dweights); without ``need_dweights`` (weights that need no gradient: rows weighted before the
+    combine) y is not read and dweights is empty."""
     from .triton_permute import combine_backward
-    return combine_backward(_rows(du), y, weights, inverse, weights.shape[1], y.dtype, weights.dtype, pad_rows)
+    dy, dw = combine_backward(_rows(du), y if need_dweights else None, weights, inverse, weights.shape[1], y.dtype,
+                              weights.dtype, pad_rows)
+    return dy, weights.new_empty(0) if dw is None else dw
 
 
 @_combine_backward.register_fake
-def _combine_backward_fake(du, y, weights, inverse, pad_rows=None):
-    return y.new_empty(y.shape), weights.new_empty(weights.shape)
+def _combine_backward_fake(du, y, weights, inverse, pad_rows=None, need_dweights=True):
+    return y.new_empty(y.shape), weights.new_empty(weights.shape if need_dweights else (0,))
 
 
 def _combine_setup(ctx, inputs, output):
@@ -159,7 +162,9 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_grad(ctx, du):
     y, weights, inverse, pad_rows = ctx.saved_tensors
-    return *_combine_backward(du, y, weights, inverse, pad_rows), None, None
+    need_dweights = ctx.needs_input_grad[1]
+    dy, dw = _combine_backward(du, y, weights, inverse, pad_rows, need_dweights)
+    return dy, dw if need_dweights else None, None, None
 
 
 _combine.register_autograd(_combine_grad, setup_context=_combine_setup)

@@ -260,6 +260,10 @@ def test_triton_custom_op_registration():
     w = torch.rand(n, k, generator=g).to(DEV).requires_grad_()
     torch.library.opcheck(torch.ops.k3.moe_dispatch_rows, (z, inverse, k))
     torch.library.opcheck(torch.ops.k3.moe_combine_rows, (y, w, inverse))
+    torch.library.opcheck(torch.ops.k3.moe_combine_rows, (y, w.detach(), inverse))  # rows weighted before
+    du = torch.randn(n, ell, generator=g).to(DEV)
+    dy, = torch.autograd.grad(torch.ops.k3.moe_combine_rows(y, w.detach(), inverse), (y,), du)
+    torch.testing.assert_close(dy, (w.detach()[:, :, None] * du[:, None, :]).reshape(n * k, ell)[order])
 
 
 def test_triton_cpu_subprocess():
