@@ -103,13 +103,14 @@ def situ_math(a, c, beta, linear_beta, EXACT: tl.constexpr):
 
 @triton.jit
 def situ_grad_math(a, c, go, beta, linear_beta, EXACT: tl.constexpr):
-    """(dgate, dup) of fp32 tiles from gate a, up c and the output's gradient go."""
+    """(dgate, dup, SiTU) of fp32 tiles from gate a, up c and the output's gradient go."""
     ta, sech2_a = _tanh_sech2(a * (1.0 / beta), EXACT)
     tc, sech2_c = _tanh_sech2(c * (1.0 / linear_beta), EXACT)
     sa, sna = _sigmoid_pair(a)
     g = beta * ta * sa
+    h = linear_beta * tc
     dg = sa * (sech2_a + beta * ta * sna)
-    return go * (linear_beta * tc) * dg, go * g * sech2_c
+    return go * h * dg, go * g * sech2_c, g * h
 
 
 @triton.jit
@@ -132,13 +133,13 @@ def _situ_bwd_kernel(G, U, DO, DG, DU, S, DS, M, I, stride_g, stride_u, stride_d
     a = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     go = tl.load(DO + rows * stride_do + cols, mask=mask, other=0.0).to(tl.float32)
-    exact = DG.dtype.element_ty == tl.float32
-    if HAS_SCALE:  # out = s·SiTU: ds = Σ_cols go·SiTU (this program's columns: DS [M, column blocks]), go → s·go
-        part = tl.sum(go * situ_math(a, c, beta, linear_beta, exact), axis=1)
+    dgate, dup, value = situ_grad_math(a, c, go, beta, linear_beta, DG.dtype.element_ty == tl.float32)
+    if HAS_SCALE:  # out = s·SiTU: ds = Σ_cols go·SiTU (this program's columns: DS [M, column blocks]); d· → s·d·
         row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        tl.store(DS + row * tl.num_programs(1) + tl.program_id(1), part, mask=row < M)
-        go *= tl.load(S + rows, mask=rows < M, other=0.0).to(tl.float32)
-    dgate, dup = situ_grad_math(a, c, go, beta, linear_beta, exact)
+        tl.store(DS + row * tl.num_programs(1) + tl.program_id(1), tl.sum(go * value, axis=1), mask=row < M)
+        scale = tl.load(S + rows, mask=rows < M, other=0.0).to(tl.float32)
+        dgate *= scale
+        dup *= scale
     tl.store(DG + rows * stride_dg + cols, dgate.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + rows * stride_du + cols, dup.to(DU.dtype.element_ty), mask=mask)
 
