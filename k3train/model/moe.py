@@ -108,7 +108,7 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str = "torch",
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str | GroupedGemm = "torch",
                    tile_expert: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x grouped by expert times each expert's weight: one grouped GEMM.
 
@@ -123,7 +123,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm
     """
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")
-    return _GroupedLinear.apply(x, w.to(x.dtype), offsets, grouped_gemm_configs(gemm), tile_expert)
+    if not isinstance(gemm, GroupedGemm):
+        gemm = grouped_gemm_configs(gemm)
+    return _GroupedLinear.apply(x, w.to(x.dtype), offsets, gemm, tile_expert)
 
 
 class RoutedExperts(nn.Module):
@@ -155,12 +157,22 @@ class RoutedExperts(nn.Module):
                            ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=2, ep_partition_dim=0))
         self.weight_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.input_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.grouped_gemm = "torch"  # grouped_linear's gemm (grouped_gemm_configs)
+        self.grouped_gemm = "torch"
+
+    @property
+    def grouped_gemm(self) -> str:
+        """grouped_linear's gemm by name (``grouped_gemm_configs``; checked when set)."""
+        return self._grouped_gemm_name
+
+    @grouped_gemm.setter
+    def grouped_gemm(self, name: str) -> None:
+        self._gemm = grouped_gemm_configs(name)
+        self._grouped_gemm_name = name
 
     @property
     def row_tile(self) -> int:
         """The rows each expert's group is padded to a multiple of (1: no padding)."""
-        return grouped_gemm_configs(self.grouped_gemm).row_tile
+        return self._gemm.row_tile
 
     def _operands(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_fake_quant is not None:
@@ -187,9 +199,9 @@ class RoutedExperts(nn.Module):
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
         tile = self.row_tile
         tile_expert = tile_groups(offsets // tile, x.shape[0] // tile) if tile > 1 else None
-        h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets, self.grouped_gemm, tile_expert),
+        h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets, self._gemm, tile_expert),
                             self.beta, self.linear_beta, row_scale=row_weights)
-        return grouped_linear(*self._operands(h, w2), offsets, self.grouped_gemm, tile_expert)
+        return grouped_linear(*self._operands(h, w2), offsets, self._gemm, tile_expert)
 
     def forward_looped(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference: z [N, ℓ], experts/weights [N, k] → u [N, ℓ], one GEMM per expert in a Python
