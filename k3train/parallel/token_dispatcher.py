@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_slots
-from kernels.grouped_gemm_sm90 import capacity_tiles, padding_rows, padding_shift
+from kernels.grouped_gemm_sm90 import capacity_tiles, padding_shift
 from kernels.moe_permute import combine_rows, dispatch_rows
 
 
@@ -97,7 +97,8 @@ class LocalTokenDispatcher:
         copies = order.numel()
         capacity = capacity_tiles(copies, self.num_experts, row_tile)
         inverse = inverse + padding_shift(tokens_per_expert, row_tile)[experts.flatten()]  # each copy's padded row
-        pad_rows = padding_rows(tokens_per_expert, copies, row_tile, capacity)
+        taken = torch.zeros(capacity * row_tile, dtype=torch.bool, device=z.device).index_fill_(0, inverse, True)
+        pad_rows = torch.nonzero_static(~taken, size=capacity * row_tile - copies).squeeze(1)
         handle = DispatchHandle(order, inverse, k, tokens_per_expert, pad_rows)
         padded_counts = (tokens_per_expert + row_tile - 1) // row_tile * row_tile
         return dispatch_rows(z, order, handle.inverse, k, pad_rows=pad_rows), padded_counts, handle

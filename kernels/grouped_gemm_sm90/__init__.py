@@ -247,22 +247,6 @@ def padded_rows(offsets: torch.Tensor, rows: int, tile_m: int) -> torch.Tensor:
         torch.searchsorted(ends, row, right=True)]
 
 
-def padding_rows(counts: torch.Tensor, rows: int, tile_m: int, capacity: int) -> torch.Tensor:
-    """[capacity · tile_m − rows] int64, ascending: the rows of the padded layout that hold none of the ``rows``
-    group-sorted rows (``counts`` [G], summing to ``rows``): each group's [P_g + c_g, P_g + t⌈c_g / t⌉) (P_g its
-    padded start) and all past the last group's, in ``capacity`` tiles of t = ``tile_m`` rows. Pad row p comes
-    from a binary search of p in the cumulative pad counts: no pass over the rows, no host read."""
-    counts = counts.long()
-    padded = (counts + tile_m - 1) // tile_m * tile_m
-    end = padded.cumsum(0)
-    first_pad = torch.cat([end - padded + counts, end[-1:]])  # [G + 1]: the rows past the last group as one more
-    pads = torch.cat([padded - counts, capacity * tile_m - end[-1:]])
-    pad_end = pads.cumsum(0)
-    p = torch.arange(capacity * tile_m - rows, device=counts.device)
-    group = torch.searchsorted(pad_end, p, right=True)
-    return first_pad[group] + p - (pad_end - pads)[group]
-
-
 def expert_tiles(offsets: torch.Tensor, rows: int, tile_m: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The padded layout of ``expert_tiled_mm``: ``padded_rows`` and ``tile_groups`` ([capacity] int32, the
     group of each M tile, -1 past the last)."""

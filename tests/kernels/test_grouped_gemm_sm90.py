@@ -120,20 +120,6 @@ def test_expert_tiles_layout():
     assert int(((worst + tile - 1) // tile).sum()) <= gg.capacity_tiles(M, 16, tile)
 
 
-@pytest.mark.parametrize("tile", [1, 4, 64])
-def test_padding_rows_are_the_rows_no_group_fills(tile):
-    """padding_rows lists, in order, exactly the padded layout's rows that padded_rows leaves empty: groups of
-    random sizes, some empty, and the rows past the last group up to the capacity bound."""
-    gen = torch.Generator().manual_seed(tile)
-    for _ in range(20):
-        counts = torch.randint(0, 200, (12,), generator=gen) * (torch.rand(12, generator=gen) > 0.3)
-        M = int(counts.sum())
-        cap = gg.capacity_tiles(M, 12, tile)
-        taken = torch.zeros(cap * tile, dtype=torch.bool)
-        taken[gg.padded_rows(counts.cumsum(0), M, tile)] = True
-        assert torch.equal(gg.padding_rows(counts, M, tile, cap), torch.nonzero(~taken).squeeze(1))
-
-
 def test_expert_tiled_reference_matches_grouped_product():
     """Padding the rows, multiplying tile by tile and reading the rows back gives each group's product."""
     counts = _uneven_counts(1, groups=6)
