@@ -50,6 +50,18 @@ def _copies(INV, N, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr
 
 
 @triton.jit
+def _zero_rows_kernel(X, ROWS, P, L, stride_x, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_L: tl.constexpr):
+    """x[rows[p]] = 0 for the P listed rows (``_copies`` with one copy a "token")."""
+    t, r, tmask, cmask = _copies(ROWS, P, TOP_K, KP, BLOCK_T)
+    for l0 in range(0, L, BLOCK_L):
+        cols = l0 + tl.arange(0, BLOCK_L)
+        zeros = tl.zeros((BLOCK_T, KP, BLOCK_L), dtype=X.dtype.element_ty)
+        tl.store(X + r[:, :, None] * stride_x + cols[None, None, :], zeros,
+                 mask=cmask[:, :, None] & (cols < L)[None, None, :])
+
+
+@triton.jit
 def _dispatch_fwd_kernel(Z, INV, X, N, L, stride_z, stride_x, TOP_K: tl.constexpr, KP: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
     t, r, tmask, cmask = _copies(INV, N, TOP_K, KP, BLOCK_T)
@@ -152,8 +164,14 @@ def _check(rows: tuple[torch.Tensor, ...], inverse: torch.Tensor, n: int, top_k:
 
 
 def _zero_padding(rows: torch.Tensor, pad_rows: torch.Tensor | None) -> torch.Tensor:
-    """rows with its padding rows (the rows no token copy maps to) set to 0."""
-    return rows if pad_rows is None or not pad_rows.numel() else rows.index_fill_(0, pad_rows, 0)
+    """rows with its padding rows (the rows no token copy maps to) set to 0: one store-only launch
+    (``index_fill_`` took 0.013 ms for 16k of bench-1B's rows of 512 on an H200)."""
+    if pad_rows is None or not pad_rows.numel() or not rows.shape[1]:
+        return rows
+    _check((rows,), pad_rows, pad_rows.numel(), 1)
+    grid, meta = _launch(pad_rows.numel(), rows.shape[1], 1, rows)
+    _zero_rows_kernel[grid](rows, pad_rows, pad_rows.numel(), rows.shape[1], rows.stride(0), **meta)
+    return rows
 
 
 def dispatch_forward(z: torch.Tensor, inverse: torch.Tensor, top_k: int,

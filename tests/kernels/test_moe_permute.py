@@ -210,6 +210,18 @@ def test_triton_padded_layout(backend):
 
 
 @triton_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_zero_padding_clears_only_the_listed_rows(dtype):
+    """The padded layout's zeroing kernel on random rows (not a fresh buffer): the listed rows, unsorted,
+    become 0, every other row is untouched."""
+    from kernels.moe_permute.triton_permute import _zero_padding
+    rows = random_input((40, 37), 70, dtype)
+    pad = torch.tensor([3, 17, 0, 39, 22, 5], device=DEV)
+    want = rows.clone().index_fill_(0, pad, 0)
+    assert torch.equal(_zero_padding(rows.clone(), pad), want) and want.any()
+
+
+@triton_cpu
 def test_triton_empty():
     """N = 0 (nothing launched) and ℓ = 0 (dweights = 0)."""
     for N, ell in ((0, 16), (5, 0)):
