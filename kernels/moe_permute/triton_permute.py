@@ -1,4 +1,5 @@
-"""Triton MoE token permutation: dispatch and combine, each one launch forward and one backward.
+"""Triton MoE token permutation: dispatch and combine, each one launch forward and one backward (the padded
+layout adds one store-only launch that zeroes its padding rows).
 
 Every kernel runs one program per block of BLOCK_T tokens and loops over ℓ in BLOCK_L columns.
 A program reads its tokens' k grouped-row indices r[i, j] = inverse[i·k + j] (a [BLOCK_T, KP]
