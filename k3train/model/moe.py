@@ -31,10 +31,11 @@ from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import token_dispatcher
 from kernels.grouped_gemm_sm90 import CONFIGS as CUTLASS_CONFIGS
 from kernels.grouped_gemm_sm90 import expert_tiled_mm_op as cutlass_expert_tiled_mm
-from kernels.grouped_gemm_sm90 import expert_tiled_mm_reference, tile_groups
+from kernels.grouped_gemm_sm90 import expert_tiled_mm_reference
 from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
 from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
 from kernels.grouped_wgrad import grouped_wgrad
+from kernels.moe_plan import group_offsets
 from kernels.situ import situ_glu_packed
 
 
@@ -119,7 +120,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm
     CUTLASS configurations of ``kernels.grouped_gemm_sm90`` ("cutlass:<i>[:<j>]", "tiles:<i>[:<j>]",
     ``grouped_gemm_configs``; experimental: bf16 on sm_90 with its library built; ``benchmarks/moe.py
     --grouped-gemms``). "tiles" needs rows padded per expert to its ``row_tile`` (zero padding rows, rows past
-    the last expert's ignored) and ``tile_expert`` [M / row_tile] (``grouped_gemm_sm90.tile_groups``).
+    the last expert's ignored) and ``tile_expert`` [M / row_tile] (``moe_plan.group_offsets``).
     """
     if not hasattr(torch, "_grouped_mm"):
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; the routed experts need torch>=2.9")
@@ -196,9 +197,9 @@ class RoutedExperts(nn.Module):
         if x.shape[0] == 0:  # no token reached this rank's experts: stay in the graph, since the
             # dispatcher's backward all-to-alls must run on every rank
             return x + 0.0 * (w13.sum() + w2.sum())
-        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
         tile = self.row_tile
-        tile_expert = tile_groups(offsets // tile, x.shape[0] // tile) if tile > 1 else None
+        offsets, tile_expert = group_offsets(tokens_per_expert, tile, x.shape[0] // tile if tile > 1 else 0)
+        tile_expert = tile_expert if tile > 1 else None
         h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets, self._gemm, tile_expert),
                             self.beta, self.linear_beta, row_scale=row_weights)
         return grouped_linear(*self._operands(h, w2), offsets, self._gemm, tile_expert)

@@ -14,11 +14,12 @@ with z [N, ℓ] latent tokens, experts/weights [N, k] (chosen ids, gate weights)
 [M, ℓ] token copies sorted by expert (M = N·k locally) and tokens_per_expert [E_local] int64 on
 the device. Nothing here waits on the host: shapes depend on N and k only. ``row_tile`` > 1 (the
 expert-tiled GEMMs' tile rows; local dispatch only) pads each expert's rows with zero rows to a multiple
-of it: M is then a fixed bound (``grouped_gemm_sm90.capacity_tiles``), tokens_per_expert counts the
+of it: M is then a fixed bound (``moe_plan.padded_rows``), tokens_per_expert counts the
 padded rows, and rows past the last expert's are padding too.
 
-``LocalTokenDispatcher`` (expert parallel size 1) permutes by index through
-``kernels.moe_permute``: fused Triton gathers/scatters on CUDA, the torch reference elsewhere.
+``LocalTokenDispatcher`` (expert parallel size 1) plans the grouped layout with ``kernels.moe_plan`` (a stable
+counting sort by expert, three Triton launches on CUDA) and permutes by index through
+``kernels.moe_permute``: fused Triton gathers/scatters on CUDA, the torch references elsewhere.
 Both permutations have gather-only backwards (no atomics), so the layer is deterministic on GPU.
 ``ExpertParallelDispatcher`` (``parallel.expert`` > 1) adds the exchange of rows between the
 expert-parallel ranks around it, plain (every copy at its expert's home) or balanced (replicas
@@ -35,32 +36,8 @@ import torch
 import torch.distributed as dist
 
 from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_slots
-from kernels.grouped_gemm_sm90 import capacity_tiles, padding_shift
 from kernels.moe_permute import combine_rows, dispatch_rows
-
-
-def stable_sort(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted keys, stable sorting order [M] int64) of integer ``keys`` [M] with values in [0, bound), sorted
-    in the narrowest integer type that holds them (the sorted keys come back in it): the GPU's radix sort
-    makes one pass per key byte (8 for int64)."""
-    dtype = torch.uint8 if bound <= 256 else torch.int16 if bound <= 2**15 else torch.int32
-    return keys.to(dtype).sort(stable=True)
-
-
-def counts_of_sorted(sorted_keys: torch.Tensor, bound: int) -> torch.Tensor:
-    """[bound] int64: how often each value in [0, bound) occurs in ``sorted_keys`` (ascending), from a binary
-    search per value. A ``scatter_add_`` of ones into ``bound`` bins does the same with one atomic per key,
-    thousands on each bin: ~0.16 ms at bench-1B's 262k keys into 128 bins on an H200."""
-    values = torch.arange(bound, device=sorted_keys.device, dtype=sorted_keys.dtype)
-    ends = torch.searchsorted(sorted_keys, values, right=True)
-    return torch.diff(ends, prepend=ends.new_zeros(1))
-
-
-def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
-    """inv with inv[perm[m]] = m."""
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
+from kernels.moe_plan import inverse_permutation, routing_plan, stable_sort
 
 
 @dataclass
@@ -87,21 +64,10 @@ class LocalTokenDispatcher:
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """z [N, ℓ], experts [N, k] → grouped rows [N·k, ℓ], tokens per expert [E], handle; with
         ``row_tile`` > 1 the padded layout (module docstring): [capacity · row_tile, ℓ] and padded counts."""
-        sorted_experts, order = stable_sort(experts.flatten(), self.num_experts)
-        inverse = inverse_permutation(order)
-        tokens_per_expert = counts_of_sorted(sorted_experts, self.num_experts)  # [E], no host read
+        plan = routing_plan(experts, self.num_experts, row_tile)
         k = experts.shape[1]
-        if row_tile == 1:
-            handle = DispatchHandle(order, inverse, k, tokens_per_expert)
-            return dispatch_rows(z, order, inverse, k), tokens_per_expert, handle
-        copies = order.numel()
-        capacity = capacity_tiles(copies, self.num_experts, row_tile)
-        inverse = inverse + padding_shift(tokens_per_expert, row_tile)[experts.flatten()]  # each copy's padded row
-        taken = torch.zeros(capacity * row_tile, dtype=torch.bool, device=z.device).index_fill_(0, inverse, True)
-        pad_rows = torch.nonzero_static(~taken, size=capacity * row_tile - copies).squeeze(1)
-        handle = DispatchHandle(order, inverse, k, tokens_per_expert, pad_rows)
-        padded_counts = (tokens_per_expert + row_tile - 1) // row_tile * row_tile
-        return dispatch_rows(z, order, handle.inverse, k, pad_rows=pad_rows), padded_counts, handle
+        handle = DispatchHandle(plan.order, plan.inverse, k, plan.counts, plan.pad_rows)
+        return dispatch_rows(z, plan.order, plan.inverse, k, pad_rows=plan.pad_rows), plan.group_rows, handle
 
     def expert_stacks(self, experts, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of the grouped rows: the experts' own stacks."""

@@ -15,6 +15,7 @@ from kernels.attn_res import attn_res_aggregate, attn_res_rms_norm
 import kernels.kda
 from kernels.backend import eager_or_compiled, triton_on_cpu, use_triton
 from kernels.moe_permute import combine_rows, dispatch_rows
+from kernels.moe_plan import routing_plan
 from kernels.short_conv import causal_conv_with_resets
 from kernels.rms_norm import rms_norm
 from kernels.situ import situ_glu, situ_glu_packed
@@ -121,6 +122,19 @@ def test_triton_eager_launches_directly_and_compile_holds_the_op(name):
     torch.testing.assert_close(compiled_out, out)
     for got, want in zip((a.grad for a in leaves), eager_grads):
         torch.testing.assert_close(got, want)
+
+
+@triton_interpreter
+def test_triton_routing_plan_eager_launches_directly_and_compile_holds_the_op():
+    """The routing plan has no gradient: eagerly the kernels launch directly, compiled the graph holds the op."""
+    experts = torch.rand(9, 8, generator=torch.Generator().manual_seed(1)).argsort(1)[:, :2]
+    with _OpsSeen() as seen:
+        eager = routing_plan(experts, 8, 4, backend="triton")
+    assert _k3(seen.names) == [], _k3(seen.names)
+    ops, compiled = _graph_ops(lambda e: tuple(routing_plan(e, 8, 4, backend="triton")), experts)
+    assert "k3.moe_routing_plan.default" in ops, ops
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
 
 
 @triton_interpreter

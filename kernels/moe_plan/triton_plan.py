@@ -1,0 +1,153 @@
+"""Triton routing plan: three launches for what the reference does in about twenty (a radix sort, its
+inverse, a binary search for the counts, the padding shift, a bool scatter and a compaction).
+
+The copies are cut into NB blocks of BLOCK; a block's copies of one group keep their order (a stable
+counting sort, no atomics, so the plan is the reference's exactly)::
+
+    1. _block_counts_kernel   one program per block b:  n[g, b] = #{copies of group g in block b}
+    2. _scan_blocks_kernel    one program per group g:  before[g, b] = Σ_{b'<b} n[g, b'],  counts[g] = Σ_b n[g, b],
+                                                        group_rows[g] = T·⌈counts[g] / T⌉
+    3. _place_kernel          one program per block: a copy c of group g in block b, with r earlier copies of g in
+                              the block, goes to packed row  Σ_{g'<g} counts[g'] + before[g, b] + r  (order) and to
+                              padded row  Σ_{g'<g} group_rows[g'] + before[g, b] + r  (inverse);
+                              then (T > 1) one program per group writes its padding rows into pad_rows, and
+                              ⌈(R − M) / TP⌉ more write the rows past the last group's.
+
+Each program of 1 and 3 holds a [BLOCK, GP] one-hot tile of its copies against the groups (GP = G rounded up to a
+power of two), so G is bounded (``MAX_GROUPS`` in ``__init__``). On CPU the kernels run through Triton's interpreter
+(``TRITON_INTERPRET=1`` before triton is imported) on small blocks, so that tests cover several blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+GPU_TILE_ELEMS = 16384  # elements of a program's [BLOCK, GP] one-hot tile (untuned)
+GPU_NUM_WARPS = 8
+SCAN_CHUNK = 1024  # blocks a group's scan takes at a time
+INTERPRET_BLOCK = 16
+
+
+@triton.jit
+def _block_counts_kernel(KEYS, N_BLOCK, M, NB, G, BLOCK: tl.constexpr, GP: tl.constexpr):
+    b = tl.program_id(0)
+    c = b * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(KEYS + c, mask=c < M, other=-1).to(tl.int32)
+    g = tl.arange(0, GP)
+    n = tl.sum((key[:, None] == g[None, :]).to(tl.int32), axis=0)
+    tl.store(N_BLOCK + g.to(tl.int64) * NB + b, n, mask=g < G)
+
+
+@triton.jit
+def _scan_blocks_kernel(N_BLOCK, BEFORE, COUNTS, GROUP_ROWS, NB, T: tl.constexpr, CHUNK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    total = tl.sum(tl.zeros((CHUNK,), dtype=tl.int32), axis=0)
+    for b0 in range(0, NB, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        n = tl.load(N_BLOCK + g * NB + b, mask=b < NB, other=0)
+        tl.store(BEFORE + g * NB + b, total + tl.cumsum(n, axis=0) - n, mask=b < NB)
+        total += tl.sum(n, axis=0)
+    total = total.to(tl.int64)
+    tl.store(COUNTS + g, total)
+    tl.store(GROUP_ROWS + g, (total + T - 1) // T * T)
+
+
+@triton.jit
+def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, ORDER, INVERSE, PAD_ROWS, M, NB, G, ROWS,
+                  BLOCK: tl.constexpr, GP: tl.constexpr, TP: tl.constexpr):
+    pid = tl.program_id(0)
+    g = tl.arange(0, GP)
+    counts = tl.load(COUNTS + g, mask=g < G, other=0)
+    group_rows = tl.load(GROUP_ROWS + g, mask=g < G, other=0)
+    packed_start = tl.cumsum(counts, axis=0) - counts
+    padded_start = tl.cumsum(group_rows, axis=0) - group_rows
+    if pid < NB:
+        c = pid * BLOCK + tl.arange(0, BLOCK)
+        key = tl.load(KEYS + c, mask=c < M, other=-1).to(tl.int32)
+        hit = (key[:, None] == g[None, :]).to(tl.int32)  # [BLOCK, GP]
+        rank = tl.sum((tl.cumsum(hit, axis=0) - hit) * hit, axis=1)  # earlier copies of the group in the block
+        before = tl.load(BEFORE + g.to(tl.int64) * NB + pid, mask=g < G, other=0).to(tl.int64)
+        packed = tl.sum(hit.to(tl.int64) * (packed_start + before)[None, :], axis=1) + rank
+        padded = tl.sum(hit.to(tl.int64) * (padded_start + before)[None, :], axis=1) + rank
+        tl.store(ORDER + packed, c.to(tl.int64), mask=c < M)
+        tl.store(INVERSE + c, padded, mask=c < M)
+    else:
+        pad = group_rows - counts
+        pad_start = tl.cumsum(pad, axis=0) - pad
+        i = tl.arange(0, TP)
+        q = pid - NB
+        if q < G:  # group q's padding rows: the last group_rows[q] − counts[q] of its rows
+            mine = g == q
+            first = tl.sum(tl.where(mine, padded_start + counts, 0), axis=0)
+            at = tl.sum(tl.where(mine, pad_start, 0), axis=0)
+            tl.store(PAD_ROWS + at + i, first + i, mask=i < tl.sum(tl.where(mine, pad, 0), axis=0))
+        else:  # the rows past the last group's
+            row = tl.sum(group_rows, axis=0) + (q - G) * TP + i
+            tl.store(PAD_ROWS + tl.sum(pad, axis=0) + (q - G) * TP + i, row, mask=row < ROWS)
+
+
+@triton.jit
+def _group_offsets_kernel(GROUP_ROWS, OFFSETS, TILE_GROUP, G, TILES, T: tl.constexpr, GP: tl.constexpr,
+                          TB: tl.constexpr):
+    """offsets = cumsum(group_rows) (program 0); tile_group[t] = #{g : offsets[g] / T ≤ t} (−1 past the last)."""
+    g = tl.arange(0, GP)
+    ends = tl.cumsum(tl.load(GROUP_ROWS + g, mask=g < G, other=0), axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(OFFSETS + g, ends.to(tl.int32), mask=g < G)
+    t = tl.program_id(0) * TB + tl.arange(0, TB)
+    group = tl.sum(((ends[None, :] // T <= t[:, None]) & (g < G)[None, :]).to(tl.int32), axis=1)
+    tl.store(TILE_GROUP + t, tl.where(group < G, group, -1), mask=t < TILES)
+
+
+def interpreter_active() -> bool:
+    """Whether the kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(_place_kernel, InterpretedFunction)
+
+
+def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys [M] int32/int64 contiguous, values in [0, groups) → (order [M], inverse [M], counts [G],
+    group_rows [G], pad_rows [rows − M]), int64 (``reference.routing_plan``)."""
+    m, dev = keys.numel(), keys.device
+    gp = triton.next_power_of_2(max(groups, 1))
+    if keys.is_cuda:
+        block, opts = max(16, GPU_TILE_ELEMS // gp), {"num_warps": GPU_NUM_WARPS}
+    elif interpreter_active():
+        block, opts = INTERPRET_BLOCK, {}
+    else:
+        raise RuntimeError("the Triton routing-plan kernels got a CPU tensor, but Triton's interpreter is off: "
+                           "set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
+    nb = triton.cdiv(m, block)
+    order, inverse = (torch.empty(m, dtype=torch.int64, device=dev) for _ in range(2))
+    counts, group_rows = (torch.empty(groups, dtype=torch.int64, device=dev) for _ in range(2))
+    pad_rows = torch.empty(rows - m, dtype=torch.int64, device=dev)
+    if m == 0:
+        counts.zero_(), group_rows.zero_()
+        return order, inverse, counts, group_rows, torch.arange(rows, device=dev)
+    n_block = torch.empty(groups, nb, dtype=torch.int32, device=dev)
+    before = torch.empty_like(n_block)
+    _block_counts_kernel[(nb,)](keys, n_block, m, nb, groups, BLOCK=block, GP=gp, **opts)
+    _scan_blocks_kernel[(groups,)](n_block, before, counts, group_rows, nb, T=row_tile,
+                                   CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(nb)))
+    tp = triton.next_power_of_2(row_tile)
+    pad_programs = groups + triton.cdiv(rows - m, tp) if rows > m else 0
+    _place_kernel[(nb + pad_programs,)](keys, before, counts, group_rows, order, inverse, pad_rows, m, nb, groups,
+                                        rows, BLOCK=block, GP=gp, TP=tp, **opts)
+    return order, inverse, counts, group_rows, pad_rows
+
+
+def group_offsets(group_rows: torch.Tensor, row_tile: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_rows [G] int64 contiguous → (offsets [G] int32, tile_group [tiles] int32): one launch."""
+    groups, dev = group_rows.numel(), group_rows.device
+    gp = triton.next_power_of_2(max(groups, 1))
+    tb = max(16, (GPU_TILE_ELEMS if group_rows.is_cuda else 256) // gp)
+    opts = {"num_warps": GPU_NUM_WARPS} if group_rows.is_cuda else {}
+    offsets = torch.empty(groups, dtype=torch.int32, device=dev)
+    tile_group = torch.empty(tiles, dtype=torch.int32, device=dev)
+    if groups:
+        _group_offsets_kernel[(max(1, triton.cdiv(tiles, tb)),)](group_rows, offsets, tile_group, groups, tiles,
+                                                                  T=row_tile, GP=gp, TB=tb, **opts)
+    return offsets, tile_group
