@@ -17,7 +17,8 @@ train.compile_mode=reduce-overhead; each row's JSON says how it was timed). --pr
 CUDA kernels and their ms per fwd+bwd (torch.profiler over eager calls) to the output and the JSON.
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
 * grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm); with
-  ``--grouped-gemms torch,cutlass:0,...`` one such row per grouped GEMM (``RoutedExperts.grouped_gemm``).
+  ``--grouped-gemms torch,cutlass:0,...`` one such row per grouped GEMM (``RoutedExperts.grouped_gemm``), and with
+  ``--plans torch,triton`` one per routing-plan backend (``LocalTokenDispatcher.plan_backend``).
 * megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
   unfused path): TEGroupedMLP where Transformer Engine imports, else GroupedMLP where the
   ``grouped_gemm`` package imports, else SequentialMLP (a ColumnParallelLinear/RowParallelLinear
@@ -64,9 +65,10 @@ IMPLS = {"loop", "grouped", "megatron"}
 SWIGLU_BETA = 1e6  # SiTU(a, c) -> silu(a) * c as beta, beta_lin -> infinity
 
 
-def grouped_name(gemm: str) -> str:
-    """The grouped row's impl name: "grouped" on torch's grouped GEMM, "grouped cutlass:<i>" on another."""
-    return "grouped" if gemm == "torch" else f"grouped {gemm}"
+def grouped_name(gemm: str, plan: str = "torch") -> str:
+    """The grouped row's impl name: "grouped" on torch's grouped GEMM and routing plan, "grouped cutlass:<i>" on
+    another GEMM, "... plan:triton" on the Triton routing plan."""
+    return ("grouped" if gemm == "torch" else f"grouped {gemm}") + ("" if plan == "torch" else f" plan:{plan}")
 
 
 def failure(e: Exception) -> str:
@@ -256,6 +258,9 @@ def main(argv=None):
                     help="grouped rows, one per grouped GEMM, comma-separated: torch, cutlass:<i> (forward and dgrad "
                          "by kernels.grouped_gemm_sm90's configuration i, experimental), tiles:<i> (its expert-tiled "
                          "kernel, rows padded per expert), or either with :<j> (and the wgrad by configuration j)")
+    ap.add_argument("--plans", default="torch",
+                    help="grouped rows for each routing-plan backend of kernels.moe_plan, comma-separated: torch "
+                         "(the dispatcher's default), triton")
     ap.add_argument("--profile", action="store_true",
                     help="also list each row's CUDA kernels with their ms per fwd+bwd (torch.profiler, eager)")
     ap.add_argument("--json", default="moe_bench.json")
@@ -264,6 +269,9 @@ def main(argv=None):
     if unknown := set(impls) - IMPLS:
         ap.error(f"--impls: unknown {sorted(unknown)}; choose from {sorted(IMPLS)}")
     gemms = args.grouped_gemms.split(",")
+    plans = args.plans.split(",")
+    if unknown := set(plans) - {"torch", "triton"}:
+        ap.error(f"--plans: unknown {sorted(unknown)}; choose from ['torch', 'triton']")
     for gemm in gemms:
         try:
             grouped_gemm_configs(gemm)
@@ -332,9 +340,12 @@ def main(argv=None):
             checks[kind] = {}
             for gemm in gemms:
                 routed.grouped_gemm = gemm
-                checks[kind][grouped_name(gemm)] = err = compare(out_and_grads(grouped, leaves, dout), reference)
-                print(f"check {kind} {grouped_name(gemm)} vs loop: {err}", flush=True)
-                assert max(err.values()) <= CHECK_LIMIT, checks[kind]
+                for plan in plans:
+                    dispatcher.plan_backend = plan
+                    name = grouped_name(gemm, plan)
+                    checks[kind][name] = err = compare(out_and_grads(grouped, leaves, dout), reference)
+                    print(f"check {kind} {name} vs loop: {err}", flush=True)
+                    assert max(err.values()) <= CHECK_LIMIT, checks[kind]
             megatron, reason = None, info["megatron"].get("error")
             if mcore is not None:
                 try:
@@ -351,7 +362,9 @@ def main(argv=None):
                 timed(kind, "loop", loop, leaves, dout)
             for gemm in gemms:
                 routed.grouped_gemm = gemm
-                timed(kind, grouped_name(gemm), grouped, leaves, dout)
+                for plan in plans:
+                    dispatcher.plan_backend = plan
+                    timed(kind, grouped_name(gemm, plan), grouped, leaves, dout)
             routed.grouped_gemm = "torch"
             if "megatron" not in impls:
                 pass

@@ -18,7 +18,7 @@ of it: M is then a fixed bound (``moe_plan.padded_rows``), tokens_per_expert cou
 padded rows, and rows past the last expert's are padding too.
 
 ``LocalTokenDispatcher`` (expert parallel size 1) plans the grouped layout with ``kernels.moe_plan`` (a stable
-counting sort by expert, three Triton launches on CUDA) and permutes by index through
+sort by expert; its Triton counting sort where asked) and permutes by index through
 ``kernels.moe_permute``: fused Triton gathers/scatters on CUDA, the torch references elsewhere.
 Both permutations have gather-only backwards (no atomics), so the layer is deterministic on GPU.
 ``ExpertParallelDispatcher`` (``parallel.expert`` > 1) adds the exchange of rows between the
@@ -55,16 +55,20 @@ class DispatchHandle:
 
 
 class LocalTokenDispatcher:
-    """All experts on this rank: sort token copies by expert, then weight and sum them back."""
+    """All experts on this rank: sort token copies by expert, then weight and sum them back.
 
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
+    ``plan_backend``: ``kernels.moe_plan``'s backend for the routing plan. "torch" (its reference, ~20 small
+    kernels on a GPU) until the Triton plan's GPU timing is in: ``benchmarks/moe.py --plans torch,triton``
+    (docs/moe_notes.md §2, session 30)."""
+
+    def __init__(self, num_experts: int, plan_backend: str = "torch"):
+        self.num_experts, self.plan_backend = num_experts, plan_backend
 
     def dispatch(self, z: torch.Tensor, experts: torch.Tensor, row_tile: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """z [N, ℓ], experts [N, k] → grouped rows [N·k, ℓ], tokens per expert [E], handle; with
         ``row_tile`` > 1 the padded layout (module docstring): [capacity · row_tile, ℓ] and padded counts."""
-        plan = routing_plan(experts, self.num_experts, row_tile)
+        plan = routing_plan(experts, self.num_experts, row_tile, self.plan_backend)
         k = experts.shape[1]
         handle = DispatchHandle(plan.order, plan.inverse, k, plan.counts, plan.pad_rows)
         return dispatch_rows(z, plan.order, plan.inverse, k, pad_rows=plan.pad_rows), plan.group_rows, handle

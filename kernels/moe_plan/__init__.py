@@ -15,9 +15,10 @@ routing (``padded_rows``). No host reads. ``backend``:
 
 * ``"auto"``: ``"triton"`` for CUDA tensors (and CPU ones within ``backend.triton_on_cpu``) with G ≤ ``MAX_GROUPS``,
   ``"torch"`` otherwise;
-* ``"triton"``: the three launches of ``triton_plan.py`` (``group_offsets``: one) (bench-1B's 131,072 copies into 128 experts: the
-  reference's ~20 kernels took ~0.07 ms of an H200's MoE forward). Under ``torch.compile`` through the custom op
-  ``k3::moe_routing_plan`` / ``k3::moe_group_offsets`` (``backend.eager_or_compiled``);
+* ``"triton"``: the four launches of ``triton_plan.py`` (``group_offsets``: one) for the ~25 small kernels of the
+  reference, which summed to ~0.09 ms of bench-1B's MoE fwd+bwd on an H200 (docs/moe_notes.md §2, session 30).
+  Under ``torch.compile`` through the custom ops ``k3::moe_routing_plan`` / ``k3::moe_group_offsets``
+  (``backend.eager_or_compiled``);
 * ``"torch"``: ``reference.routing_plan``.
 """
 

@@ -1,4 +1,4 @@
-"""Triton routing plan: three launches for what the reference does in about twenty (a radix sort, its
+"""Triton routing plan: four launches for what the reference does in about twenty (a radix sort, its
 inverse, a binary search for the counts, the padding shift, a bool scatter and a compaction).
 
 The copies are cut into NB blocks of BLOCK; a block's copies of one group keep their order (a stable
@@ -7,15 +7,20 @@ counting sort, no atomics, so the plan is the reference's exactly)::
     1. _block_counts_kernel   one program per block b:  n[g, b] = #{copies of group g in block b}
     2. _scan_blocks_kernel    one program per group g:  before[g, b] = Σ_{b'<b} n[g, b'],  counts[g] = Σ_b n[g, b],
                                                         group_rows[g] = T·⌈counts[g] / T⌉
-    3. _place_kernel          one program per block: a copy c of group g in block b, with r earlier copies of g in
-                              the block, goes to packed row  Σ_{g'<g} counts[g'] + before[g, b] + r  (order) and to
-                              padded row  Σ_{g'<g} group_rows[g'] + before[g, b] + r  (inverse);
+    3. _group_starts_kernel   one program: the groups' first packed row Σ_{g'<g} counts[g'], first padded row
+                              Σ_{g'<g} group_rows[g'] and first entry in the padding list
+    4. _place_kernel          one program per block: a copy c of group g in block b, with r earlier copies of g in
+                              the block, goes to packed row  first packed[g] + before[g, b] + r  (order) and to
+                              padded row  first padded[g] + before[g, b] + r  (inverse);
                               then (T > 1) one program per group writes its padding rows into pad_rows, and
                               ⌈(R − M) / TP⌉ more write the rows past the last group's.
 
-Each program of 1 and 3 holds a [BLOCK, GP] one-hot tile of its copies against the groups (GP = G rounded up to a
-power of two), so G is bounded (``MAX_GROUPS`` in ``__init__``). On CPU the kernels run through Triton's interpreter
-(``TRITON_INTERPRET=1`` before triton is imported) on small blocks, so that tests cover several blocks.
+Kernel 1 holds a [BLOCK, GP] one-hot tile of its copies against the groups (GP = G rounded up to a power of two),
+so G is bounded (``MAX_GROUPS`` in ``__init__``); kernel 4 finds r from a [BLOCK, BLOCK] comparison of its copies
+and reads its copies' starts by index. (A first version took r from a cumulative sum of the one-hot tile down the
+block and the starts as one-hot sums: 0.18 ms on bench-1B's 131,072 copies on an H200, against 0.008 for
+kernel 1.) On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported)
+on small blocks, so that tests cover several blocks.
 """
 
 from __future__ import annotations
@@ -56,37 +61,43 @@ def _scan_blocks_kernel(N_BLOCK, BEFORE, COUNTS, GROUP_ROWS, NB, T: tl.constexpr
 
 
 @triton.jit
-def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, ORDER, INVERSE, PAD_ROWS, M, NB, G, ROWS,
-                  BLOCK: tl.constexpr, GP: tl.constexpr, TP: tl.constexpr):
-    pid = tl.program_id(0)
+def _group_starts_kernel(COUNTS, GROUP_ROWS, STARTS, G, GP: tl.constexpr):
+    """starts [3, G]: each group's first packed row, first padded row and first entry in the padding list."""
     g = tl.arange(0, GP)
     counts = tl.load(COUNTS + g, mask=g < G, other=0)
     group_rows = tl.load(GROUP_ROWS + g, mask=g < G, other=0)
-    packed_start = tl.cumsum(counts, axis=0) - counts
-    padded_start = tl.cumsum(group_rows, axis=0) - group_rows
+    pad = group_rows - counts
+    tl.store(STARTS + g, tl.cumsum(counts, axis=0) - counts, mask=g < G)
+    tl.store(STARTS + G + g, tl.cumsum(group_rows, axis=0) - group_rows, mask=g < G)
+    tl.store(STARTS + 2 * G + g, tl.cumsum(pad, axis=0) - pad, mask=g < G)
+
+
+@triton.jit
+def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, STARTS, ORDER, INVERSE, PAD_ROWS, M, NB, G, ROWS,
+                  BLOCK: tl.constexpr, TP: tl.constexpr):
+    pid = tl.program_id(0)
     if pid < NB:
-        c = pid * BLOCK + tl.arange(0, BLOCK)
+        i = tl.arange(0, BLOCK)
+        c = pid * BLOCK + i
         key = tl.load(KEYS + c, mask=c < M, other=-1).to(tl.int32)
-        hit = (key[:, None] == g[None, :]).to(tl.int32)  # [BLOCK, GP]
-        rank = tl.sum((tl.cumsum(hit, axis=0) - hit) * hit, axis=1)  # earlier copies of the group in the block
-        before = tl.load(BEFORE + g.to(tl.int64) * NB + pid, mask=g < G, other=0).to(tl.int64)
-        packed = tl.sum(hit.to(tl.int64) * (packed_start + before)[None, :], axis=1) + rank
-        padded = tl.sum(hit.to(tl.int64) * (padded_start + before)[None, :], axis=1) + rank
-        tl.store(ORDER + packed, c.to(tl.int64), mask=c < M)
-        tl.store(INVERSE + c, padded, mask=c < M)
+        earlier = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)  # earlier copies of the same group in the block
+        g = tl.where(c < M, key, 0).to(tl.int64)
+        before = tl.load(BEFORE + g * NB + pid, mask=c < M, other=0).to(tl.int64) + rank
+        tl.store(ORDER + tl.load(STARTS + g, mask=c < M, other=0) + before, c.to(tl.int64), mask=c < M)
+        tl.store(INVERSE + c, tl.load(STARTS + G + g, mask=c < M, other=0) + before, mask=c < M)
     else:
-        pad = group_rows - counts
-        pad_start = tl.cumsum(pad, axis=0) - pad
         i = tl.arange(0, TP)
         q = pid - NB
         if q < G:  # group q's padding rows: the last group_rows[q] − counts[q] of its rows
-            mine = g == q
-            first = tl.sum(tl.where(mine, padded_start + counts, 0), axis=0)
-            at = tl.sum(tl.where(mine, pad_start, 0), axis=0)
-            tl.store(PAD_ROWS + at + i, first + i, mask=i < tl.sum(tl.where(mine, pad, 0), axis=0))
+            count = tl.load(COUNTS + q)
+            first = tl.load(STARTS + G + q) + count
+            tl.store(PAD_ROWS + tl.load(STARTS + 2 * G + q) + i, first + i, mask=i < tl.load(GROUP_ROWS + q) - count)
         else:  # the rows past the last group's
-            row = tl.sum(group_rows, axis=0) + (q - G) * TP + i
-            tl.store(PAD_ROWS + tl.sum(pad, axis=0) + (q - G) * TP + i, row, mask=row < ROWS)
+            last_rows, last_pad = tl.load(GROUP_ROWS + G - 1), tl.load(GROUP_ROWS + G - 1) - tl.load(COUNTS + G - 1)
+            row = tl.load(STARTS + 2 * G - 1) + last_rows + (q - G) * TP + i
+            at = tl.load(STARTS + 3 * G - 1) + last_pad + (q - G) * TP + i
+            tl.store(PAD_ROWS + at, row, mask=row < ROWS)
 
 
 @triton.jit
@@ -129,13 +140,15 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
         return order, inverse, counts, group_rows, torch.arange(rows, device=dev)
     n_block = torch.empty(groups, nb, dtype=torch.int32, device=dev)
     before = torch.empty_like(n_block)
+    starts = torch.empty(3, groups, dtype=torch.int64, device=dev)
     _block_counts_kernel[(nb,)](keys, n_block, m, nb, groups, BLOCK=block, GP=gp, **opts)
     _scan_blocks_kernel[(groups,)](n_block, before, counts, group_rows, nb, T=row_tile,
                                    CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(nb)))
+    _group_starts_kernel[(1,)](counts, group_rows, starts, groups, GP=gp)
     tp = triton.next_power_of_2(row_tile)
     pad_programs = groups + triton.cdiv(rows - m, tp) if rows > m else 0
-    _place_kernel[(nb + pad_programs,)](keys, before, counts, group_rows, order, inverse, pad_rows, m, nb, groups,
-                                        rows, BLOCK=block, GP=gp, TP=tp, **opts)
+    _place_kernel[(nb + pad_programs,)](keys, before, counts, group_rows, starts, order, inverse, pad_rows, m, nb,
+                                        groups, rows, BLOCK=block, TP=tp, **opts)
     return order, inverse, counts, group_rows, pad_rows
 
 

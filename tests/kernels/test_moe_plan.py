@@ -114,6 +114,22 @@ def test_triton_group_offsets_match_reference(G, row_tile, tiles):
 
 
 @triton_cpu
+@pytest.mark.parametrize("row_tile", [1, 8])
+def test_triton_dispatcher_plan_equals_the_torch_one(row_tile):
+    """LocalTokenDispatcher with the Triton plan: the same grouped rows, counts and handle as with the reference."""
+    from k3train.parallel.token_dispatcher import LocalTokenDispatcher
+
+    experts = experts_of(45, 12, 3, seed=row_tile, skew=True)
+    z = torch.randn(45, 16, generator=torch.Generator().manual_seed(2)).to(DEV)
+    (rows, counts, handle), (rows_t, counts_t, handle_t) = (
+        LocalTokenDispatcher(12, plan_backend=b).dispatch(z, experts, row_tile) for b in ("torch", "triton"))
+    assert torch.equal(rows, rows_t) and torch.equal(counts, counts_t)
+    for name in ("order", "inverse", "tokens_per_expert", "pad_rows"):
+        a, b = getattr(handle, name), getattr(handle_t, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@triton_cpu
 def test_triton_custom_op_registration():
     """k3::moe_routing_plan and k3::moe_group_offsets: schema and fake shapes (what torch.compile relies on) agree with the kernels."""
     keys = experts_of(21, 8, 2, seed=3).flatten()
