@@ -4,7 +4,9 @@ One program per (expert, output tile): it walks its expert's rows BK at a time, 
 through host-side tensor descriptors (TMA on Hopper), and accumulates in fp32. The expert's last,
 partial row block is read once more with the rows past its end zeroed (the descriptor's box would
 otherwise read the next expert's rows). Programs are ordered by their expert's row count, largest
-first, so the longest ones start first and the short ones fill the tail.
+first, so the longest ones start first and the short ones fill the tail; one small launch finds that order
+(``_by_size_kernel``: a comparison of every pair of experts' counts, where torch's diff, stable argsort and casts
+took ~8 launches a call).
 """
 
 from __future__ import annotations
@@ -52,6 +54,25 @@ def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: 
     tl.store(base + (o[:, None] * C + c[None, :]), acc.to(DW.dtype.element_ty), mask=(o[:, None] < O) & (c[None, :] < C))
 
 
+@triton.jit
+def _by_size_kernel(OFFSETS, ORDER, E, EP: tl.constexpr):
+    """order = the experts by row count, largest first, ties by id (a stable descending argsort): expert e goes
+    to #{f : n_f > n_e, or n_f = n_e and f < e}, with n the differences of the cumulative OFFSETS [E]."""
+    e = tl.arange(0, EP)
+    ends = tl.load(OFFSETS + e, mask=e < E, other=0)
+    n = tl.where(e < E, ends - tl.load(OFFSETS + e - 1, mask=(e > 0) & (e < E), other=0), -1)  # padding: last
+    n_e, n_f = n[:, None], n[None, :]
+    ahead = (n_f > n_e) | ((n_f == n_e) & (e[None, :] < e[:, None]))
+    tl.store(ORDER + tl.sum(ahead.to(tl.int32), axis=1), e, mask=e < E)
+
+
+def experts_by_size(offsets: torch.Tensor) -> torch.Tensor:
+    """offsets [E] int32 cumulative → [E] int32: the experts by row count, largest first, ties by id."""
+    order = torch.empty_like(offsets)
+    _by_size_kernel[(1,)](offsets, order, offsets.shape[0], EP=triton.next_power_of_2(max(offsets.shape[0], 1)))
+    return order
+
+
 def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles=None) -> torch.Tensor:
     """g [M, O], x [M, C] (rows grouped by expert; contiguous, rows 16-byte aligned), offsets [E]
     int32 cumulative → dW [E, O, C] in g.dtype. ``tiles``: (BM, BN, BK, warps, stages), else the defaults."""
@@ -64,8 +85,7 @@ def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles
     if O * C >= 2**31:
         raise ValueError(f"an expert's weight [{O}, {C}] has 2^31 elements or more: the kernel's offsets are 32-bit")
     dw = torch.empty(E, O, C, dtype=g.dtype, device=g.device)
-    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    order = torch.argsort(counts, descending=True, stable=True).to(torch.int32)
+    order = experts_by_size(offsets)
     g_desc = TensorDescriptor.from_tensor(g, [BK, BM])
     x_desc = TensorDescriptor.from_tensor(x, [BK, BN])
     grid = (E * triton.cdiv(O, BM) * triton.cdiv(C, BN),)

@@ -61,6 +61,17 @@ def test_triton_kernel_matches_reference(counts, o, c):
 
 
 @triton_cpu
+@pytest.mark.parametrize("counts", COUNTS + [[5, 9, 5, 0, 9, 5, 1]], ids=str)
+def test_triton_experts_by_size_is_a_stable_descending_argsort(counts):
+    from kernels.grouped_wgrad.triton_grouped_wgrad import experts_by_size
+
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = experts_by_size(offsets.to(DEV))
+    assert got.dtype == torch.int32
+    assert torch.equal(got.cpu().long(), torch.tensor(counts).argsort(descending=True, stable=True))
+
+
+@triton_cpu
 def test_triton_refuses_weights_past_32_bit_offsets():
     g, x = torch.zeros(1, 1 << 16, dtype=DTYPE, device=DEV), torch.zeros(1, 1 << 15, dtype=DTYPE, device=DEV)
     with triton_on_cpu(), pytest.raises(ValueError, match="32-bit"):
