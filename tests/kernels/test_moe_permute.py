@@ -14,6 +14,7 @@ import torch
 from triton_cpu import rerun_under_interpreter, triton_cpu
 
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher
+from kernels.backend import triton_on_cpu
 from kernels.moe_permute import combine_rows, dispatch_rows
 from kernels.moe_permute import reference as R
 
@@ -256,6 +257,28 @@ def test_triton_end_to_end(backend):
               (z64 * du64).abs().sum(1, keepdim=True).expand(N, k)))
     for got, want, scale in cases:
         assert bool(((got.double() - want).abs() <= RTOL32 * scale).all()), backend
+
+
+@triton_cpu
+@pytest.mark.parametrize("row_tile", [1, 4])
+def test_triton_grouped_weights(row_tile):
+    """LocalTokenDispatcher.grouped_weights on the Triton dispatch: row inverse[c] holds w[c], padding rows 0, and
+    the weights' gradient gathers the rows' (against an index_copy in float64)."""
+    N, E, k = 23, 6, 3
+    experts, _, _ = routing(N, E, k, seed=81)
+    dispatcher = LocalTokenDispatcher(E)
+    _, _, handle = dispatcher.dispatch(torch.randn(N, 8, device=DEV), experts, row_tile)
+    rows = handle.inverse.numel() + (0 if handle.pad_rows is None else handle.pad_rows.numel())
+    w = random_input((N, k), 82).requires_grad_()
+    dr = random_input((rows,), 83)
+    with triton_on_cpu():  # the Triton dispatch on CPU tensors too
+        got = dispatcher.grouped_weights(w, handle)
+        got.backward(dr)
+    w64 = w.detach().double().requires_grad_()
+    want = w64.new_zeros(rows).index_copy(0, handle.inverse, w64.flatten())
+    want.backward(dr.double())
+    assert got.dtype == w.dtype and torch.equal(got.double(), want) and torch.equal(w.grad.double(), w64.grad)
+    assert handle.pad_rows is None or (handle.pad_rows.numel() and not got[handle.pad_rows].any())
 
 
 @triton_cpu
