@@ -14,7 +14,7 @@ with z [N, ℓ] latent tokens, experts/weights [N, k] (chosen ids, gate weights)
 [M, ℓ] token copies sorted by expert (M = N·k locally) and tokens_per_expert [E_local] int64 on
 the device. Nothing here waits on the host: shapes depend on N and k only. ``row_tile`` > 1 (the
 expert-tiled GEMMs' tile rows; local dispatch only) pads each expert's rows with zero rows to a multiple
-of it: M is then a fixed bound (``moe_plan.padded_rows``), tokens_per_expert counts the
+of it: M is then a fixed bound (``moe_plan.layout_rows``), tokens_per_expert counts the
 padded rows, and rows past the last expert's are padding too.
 
 ``LocalTokenDispatcher`` (expert parallel size 1) plans the grouped layout with ``kernels.moe_plan`` (a stable

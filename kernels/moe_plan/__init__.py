@@ -11,7 +11,7 @@ and the grouped GEMMs' view of a layout of G groups (the plan's, or the expert-p
     # group_rows [G] → offsets [G] int32 (cumulative rows), tile_group [tiles] int32 (each row tile's group)
 
 The padded layout has R = ``grouped_gemm_sm90.capacity_tiles(N·k, G, row_tile)`` · row_tile rows, enough for any
-routing (``padded_rows``). No host reads. ``backend``:
+routing (``layout_rows``). No host reads. ``backend``:
 
 * ``"auto"``: ``"triton"`` for CUDA tensors (and CPU ones within ``backend.triton_on_cpu``) with G ≤ ``MAX_GROUPS``,
   ``"torch"`` otherwise;
@@ -33,7 +33,7 @@ from ..grouped_gemm_sm90 import capacity_tiles
 from . import reference
 from .reference import inverse_permutation, stable_sort
 
-__all__ = ["RoutingPlan", "routing_plan", "group_offsets", "padded_rows", "stable_sort", "inverse_permutation"]
+__all__ = ["RoutingPlan", "routing_plan", "group_offsets", "layout_rows", "stable_sort", "inverse_permutation"]
 
 MAX_GROUPS = 1024  # the Triton kernels hold a [block, G] one-hot tile a program
 
@@ -92,7 +92,7 @@ def _(group_rows, row_tile, tiles):
 _offsets = eager_or_compiled(_triton_offsets, _offsets_op)
 
 
-def padded_rows(copies: int, groups: int, row_tile: int) -> int:
+def layout_rows(copies: int, groups: int, row_tile: int) -> int:
     """Rows of the grouped layout: the copies, or with row_tile > 1 enough tiles for any split among the groups."""
     return copies if row_tile == 1 else capacity_tiles(copies, groups, row_tile) * row_tile
 
@@ -105,7 +105,7 @@ def routing_plan(experts: torch.Tensor, groups: int, row_tile: int = 1, backend:
         raise ValueError(f"row_tile and groups must be ≥ 1, got {row_tile} and {groups}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown routing-plan backend {backend!r}; expected one of {BACKENDS}")
-    keys, rows = experts.flatten(), padded_rows(experts.numel(), groups, row_tile)
+    keys, rows = experts.flatten(), layout_rows(experts.numel(), groups, row_tile)
     if backend == "triton" and groups > MAX_GROUPS:
         raise ValueError(f"the Triton routing plan takes at most {MAX_GROUPS} groups, got {groups}: use backend='torch'")
     if backend == "triton" or (backend == "auto" and triton_device(keys) and groups <= MAX_GROUPS):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..grouped_gemm_sm90 import tile_groups
+from ..grouped_gemm_sm90 import padding_shift, tile_groups
 
 
 def stable_sort(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,8 +48,7 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
                               right=True)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     group_rows = (counts + row_tile - 1) // row_tile * row_tile
-    shift = (group_rows - counts).cumsum(0) - (group_rows - counts)  # how far each group's rows move
-    inverse = inverse_permutation(order) + shift[keys.long()]
+    inverse = inverse_permutation(order) + padding_shift(counts, row_tile)[keys.long()]
     if rows == keys.numel():  # no room for padding: none
         return order, inverse, counts, group_rows, order.new_empty(0)
     taken = torch.zeros(rows, dtype=torch.bool, device=keys.device).index_fill_(0, inverse, True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_cpu import rerun_under_interpreter, triton_cpu
 
-from kernels.moe_plan import group_offsets, padded_rows, routing_plan, stable_sort
+from kernels.moe_plan import group_offsets, layout_rows, routing_plan, stable_sort
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,7 +50,7 @@ def test_reference_is_the_padded_stable_sort(row_tile, skew):
     want = torch.empty_like(keys)
     want[plan.order] = torch.arange(keys.numel()) - packed_start[keys[plan.order]] + start[keys[plan.order]]
     assert torch.equal(plan.inverse, want)
-    rows = padded_rows(keys.numel(), E, row_tile)
+    rows = layout_rows(keys.numel(), E, row_tile)
     if row_tile == 1:
         assert plan.pad_rows is None and rows == keys.numel()
     else:
@@ -63,7 +63,7 @@ def test_reference_is_the_padded_stable_sort(row_tile, skew):
 def test_reference_group_offsets(row_tile):
     """offsets are the cumulative rows; each row tile's group is the group of its first row (−1 past the last)."""
     plan = routing_plan(experts_of(300, 24, 3, seed=7, skew=True, device="cpu"), 24, row_tile, backend="torch")
-    tiles = padded_rows(900, 24, row_tile) // row_tile
+    tiles = layout_rows(900, 24, row_tile) // row_tile
     offsets, tile_group = group_offsets(plan.group_rows, row_tile, tiles, backend="torch")
     assert offsets.dtype == tile_group.dtype == torch.int32
     assert torch.equal(offsets.long(), plan.group_rows.cumsum(0))
@@ -133,7 +133,7 @@ def test_triton_dispatcher_plan_equals_the_torch_one(row_tile):
 def test_triton_custom_op_registration():
     """k3::moe_routing_plan and k3::moe_group_offsets: schema and fake shapes (what torch.compile relies on) agree with the kernels."""
     keys = experts_of(21, 8, 2, seed=3).flatten()
-    torch.library.opcheck(torch.ops.k3.moe_routing_plan, (keys, 8, 4, padded_rows(keys.numel(), 8, 4)))
+    torch.library.opcheck(torch.ops.k3.moe_routing_plan, (keys, 8, 4, layout_rows(keys.numel(), 8, 4)))
     torch.library.opcheck(torch.ops.k3.moe_group_offsets, (torch.tensor([4, 0, 8, 4], device=DEV), 4, 6))
 
 
@@ -153,7 +153,7 @@ def test_gpu_bench_dims(row_tile):
         got = routing_plan(experts, 128, row_tile)
         for name, a, b in zip(want._fields, got, want):
             assert (a is None and b is None) or torch.equal(a, b), (name, skew)
-        tiles = padded_rows(experts.numel(), 128, row_tile) // row_tile
+        tiles = layout_rows(experts.numel(), 128, row_tile) // row_tile
         for a, b in zip(group_offsets(got.group_rows, row_tile, tiles),
                         group_offsets(got.group_rows, row_tile, tiles, backend="torch")):
             assert torch.equal(a, b), skew
