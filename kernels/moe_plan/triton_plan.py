@@ -93,11 +93,11 @@ def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, STARTS, ORDER, INVERSE, PAD_
             count = tl.load(COUNTS + q)
             first = tl.load(STARTS + G + q) + count
             tl.store(PAD_ROWS + tl.load(STARTS + 2 * G + q) + i, first + i, mask=i < tl.load(GROUP_ROWS + q) - count)
-        else:  # the rows past the last group's
-            last_rows, last_pad = tl.load(GROUP_ROWS + G - 1), tl.load(GROUP_ROWS + G - 1) - tl.load(COUNTS + G - 1)
-            row = tl.load(STARTS + 2 * G - 1) + last_rows + (q - G) * TP + i
-            at = tl.load(STARTS + 3 * G - 1) + last_pad + (q - G) * TP + i
-            tl.store(PAD_ROWS + at, row, mask=row < ROWS)
+        else:  # the rows past the last group's, [Σ group_rows, ROWS), listed after the groups' padding rows
+            last, j = G - 1, (q - G) * TP + i
+            rows_used = tl.load(STARTS + G + last) + tl.load(GROUP_ROWS + last)
+            listed = tl.load(STARTS + 2 * G + last) + tl.load(GROUP_ROWS + last) - tl.load(COUNTS + last)
+            tl.store(PAD_ROWS + listed + j, rows_used + j, mask=rows_used + j < ROWS)
 
 
 @triton.jit
@@ -136,7 +136,8 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     counts, group_rows = (torch.empty(groups, dtype=torch.int64, device=dev) for _ in range(2))
     pad_rows = torch.empty(rows - m, dtype=torch.int64, device=dev)
     if m == 0:
-        counts.zero_(), group_rows.zero_()
+        counts.zero_()
+        group_rows.zero_()
         return order, inverse, counts, group_rows, torch.arange(rows, device=dev)
     n_block = torch.empty(groups, nb, dtype=torch.int32, device=dev)
     before = torch.empty_like(n_block)
