@@ -47,10 +47,11 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     ends = torch.searchsorted(sorted_keys, torch.arange(groups, device=keys.device, dtype=sorted_keys.dtype),
                               right=True)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    inverse = inverse_permutation(order)
+    if row_tile == 1:  # the packed layout: nothing to pad (the dispatcher's default path, kept to these kernels)
+        return order, inverse, counts, counts, order.new_empty(0)
     group_rows = (counts + row_tile - 1) // row_tile * row_tile
-    inverse = inverse_permutation(order) + padding_shift(counts, row_tile)[keys.long()]
-    if rows == keys.numel():  # no room for padding: none
-        return order, inverse, counts, group_rows, order.new_empty(0)
+    inverse = inverse + padding_shift(counts, row_tile)[keys.long()]
     taken = torch.zeros(rows, dtype=torch.bool, device=keys.device).index_fill_(0, inverse, True)
     pad_rows = torch.nonzero_static(~taken, size=rows - keys.numel()).squeeze(1)
     return order, inverse, counts, group_rows, pad_rows
@@ -59,4 +60,4 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
 def group_offsets(group_rows: torch.Tensor, row_tile: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """group_rows [G] → (offsets [G] int32, tile_group [tiles] int32)."""
     offsets = group_rows.cumsum(0).to(torch.int32)
-    return offsets, tile_groups(offsets // row_tile, tiles)
+    return offsets, tile_groups(offsets // row_tile, tiles) if tiles else offsets.new_empty(0)
