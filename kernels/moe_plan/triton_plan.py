@@ -17,10 +17,11 @@ counting sort, no atomics, so the plan is the reference's exactly)::
 
 Kernel 1 holds a [BLOCK, GP] one-hot tile of its copies against the groups (GP = G rounded up to a power of two),
 so G is bounded (``MAX_GROUPS`` in ``__init__``); kernel 4 finds r from a [BLOCK, BLOCK] comparison of its copies
-and reads its copies' starts by index. (A first version took r from a cumulative sum of the one-hot tile down the
-block and the starts as one-hot sums: 0.18 ms on bench-1B's 131,072 copies on an H200, against 0.008 for
-kernel 1.) On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported)
-on small blocks, so that tests cover several blocks.
+and reads its copies' starts by index, so BLOCK is also bounded (``GPU_BLOCK_MAX``). On bench-1B's 131,072 copies
+(G = 128) on an H200: kernel 1 0.008 ms, 2 0.0017, 3 0.0012, 4 0.017. (A first version of kernel 4 took r from a
+cumulative sum of the one-hot tile down the block and the starts as one-hot sums: 0.18 ms.) On CPU the kernels
+run through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported) on small blocks, so that
+tests cover several blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 GPU_TILE_ELEMS = 16384  # elements of a program's [BLOCK, GP] one-hot tile (untuned)
+GPU_BLOCK_MAX = 128  # bounds kernel 4's [BLOCK, BLOCK] compare (at 2048 it ran wrong or compiled for minutes)
 GPU_NUM_WARPS = 8
 SCAN_CHUNK = 1024  # blocks a group's scan takes at a time
 INTERPRET_BLOCK = 16
@@ -77,24 +79,24 @@ def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, STARTS, ORDER, INVERSE, PAD_
                   BLOCK: tl.constexpr, TP: tl.constexpr):
     pid = tl.program_id(0)
     if pid < NB:
-        i = tl.arange(0, BLOCK)
-        c = pid * BLOCK + i
+        slot = tl.arange(0, BLOCK)
+        c = pid * BLOCK + slot
         key = tl.load(KEYS + c, mask=c < M, other=-1).to(tl.int32)
-        earlier = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
+        earlier = (key[:, None] == key[None, :]) & (slot[None, :] < slot[:, None])
         rank = tl.sum(earlier.to(tl.int32), axis=1)  # earlier copies of the same group in the block
         g = tl.where(c < M, key, 0).to(tl.int64)
         before = tl.load(BEFORE + g * NB + pid, mask=c < M, other=0).to(tl.int64) + rank
         tl.store(ORDER + tl.load(STARTS + g, mask=c < M, other=0) + before, c.to(tl.int64), mask=c < M)
         tl.store(INVERSE + c, tl.load(STARTS + G + g, mask=c < M, other=0) + before, mask=c < M)
     else:
-        i = tl.arange(0, TP)
+        p = tl.arange(0, TP)
         q = pid - NB
         if q < G:  # group q's padding rows: the last group_rows[q] − counts[q] of its rows
             count = tl.load(COUNTS + q)
             first = tl.load(STARTS + G + q) + count
-            tl.store(PAD_ROWS + tl.load(STARTS + 2 * G + q) + i, first + i, mask=i < tl.load(GROUP_ROWS + q) - count)
+            tl.store(PAD_ROWS + tl.load(STARTS + 2 * G + q) + p, first + p, mask=p < tl.load(GROUP_ROWS + q) - count)
         else:  # the rows past the last group's, [Σ group_rows, ROWS), listed after the groups' padding rows
-            last, j = G - 1, (q - G) * TP + i
+            last, j = G - 1, (q - G) * TP + p
             rows_used = tl.load(STARTS + G + last) + tl.load(GROUP_ROWS + last)
             listed = tl.load(STARTS + 2 * G + last) + tl.load(GROUP_ROWS + last) - tl.load(COUNTS + last)
             tl.store(PAD_ROWS + listed + j, rows_used + j, mask=rows_used + j < ROWS)
@@ -125,7 +127,7 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     m, dev = keys.numel(), keys.device
     gp = triton.next_power_of_2(max(groups, 1))
     if keys.is_cuda:
-        block, opts = max(16, GPU_TILE_ELEMS // gp), {"num_warps": GPU_NUM_WARPS}
+        block, opts = min(GPU_BLOCK_MAX, max(16, GPU_TILE_ELEMS // gp)), {"num_warps": GPU_NUM_WARPS}
     elif interpreter_active():
         block, opts = INTERPRET_BLOCK, {}
     else:
