@@ -18,7 +18,7 @@ CUDA kernels and their ms per fwd+bwd (torch.profiler over eager calls) to the o
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
 * grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm); with
   ``--grouped-gemms torch,cutlass:0,...`` one such row per grouped GEMM (``RoutedExperts.grouped_gemm``), and with
-  ``--plans torch,triton`` one per routing-plan backend (``LocalTokenDispatcher.plan_backend``).
+  ``--plans torch,auto`` one per routing-plan backend (``LocalTokenDispatcher.plan_backend``).
 * megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
   unfused path): TEGroupedMLP where Transformer Engine imports, else GroupedMLP where the
   ``grouped_gemm`` package imports, else SequentialMLP (a ColumnParallelLinear/RowParallelLinear
@@ -65,10 +65,10 @@ IMPLS = {"loop", "grouped", "megatron"}
 SWIGLU_BETA = 1e6  # SiTU(a, c) -> silu(a) * c as beta, beta_lin -> infinity
 
 
-def grouped_name(gemm: str, plan: str = "torch") -> str:
-    """The grouped row's impl name: "grouped" on torch's grouped GEMM and routing plan, "grouped cutlass:<i>" on
-    another GEMM, "... plan:triton" on the Triton routing plan."""
-    return ("grouped" if gemm == "torch" else f"grouped {gemm}") + ("" if plan == "torch" else f" plan:{plan}")
+def grouped_name(gemm: str, plan: str = "auto") -> str:
+    """The grouped row's impl name: "grouped" on torch's grouped GEMM and the dispatcher's default routing plan,
+    "grouped cutlass:<i>" on another GEMM, "... plan:torch" on another plan backend."""
+    return ("grouped" if gemm == "torch" else f"grouped {gemm}") + ("" if plan == "auto" else f" plan:{plan}")
 
 
 def failure(e: Exception) -> str:
@@ -258,9 +258,9 @@ def main(argv=None):
                     help="grouped rows, one per grouped GEMM, comma-separated: torch, cutlass:<i> (forward and dgrad "
                          "by kernels.grouped_gemm_sm90's configuration i, experimental), tiles:<i> (its expert-tiled "
                          "kernel, rows padded per expert), or either with :<j> (and the wgrad by configuration j)")
-    ap.add_argument("--plans", default="torch",
-                    help="grouped rows for each routing-plan backend of kernels.moe_plan, comma-separated: torch "
-                         "(the dispatcher's default), triton")
+    ap.add_argument("--plans", default="auto",
+                    help="grouped rows for each routing-plan backend of kernels.moe_plan, comma-separated: auto "
+                         "(the dispatcher's default: triton on a GPU), torch, triton")
     ap.add_argument("--profile", action="store_true",
                     help="also list each row's CUDA kernels with their ms per fwd+bwd (torch.profiler, eager)")
     ap.add_argument("--json", default="moe_bench.json")
@@ -270,8 +270,8 @@ def main(argv=None):
         ap.error(f"--impls: unknown {sorted(unknown)}; choose from {sorted(IMPLS)}")
     gemms = args.grouped_gemms.split(",")
     plans = args.plans.split(",")
-    if unknown := set(plans) - {"torch", "triton"}:
-        ap.error(f"--plans: unknown {sorted(unknown)}; choose from ['torch', 'triton']")
+    if unknown := set(plans) - {"auto", "torch", "triton"}:
+        ap.error(f"--plans: unknown {sorted(unknown)}; choose from ['auto', 'torch', 'triton']")
     for gemm in gemms:
         try:
             grouped_gemm_configs(gemm)

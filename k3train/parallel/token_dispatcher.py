@@ -57,11 +57,11 @@ class DispatchHandle:
 class LocalTokenDispatcher:
     """All experts on this rank: sort token copies by expert, then weight and sum them back.
 
-    ``plan_backend``: ``kernels.moe_plan``'s backend for the routing plan. "torch" (its reference, ~20 small
-    kernels on a GPU) until the Triton plan's GPU timing is in: ``benchmarks/moe.py --plans torch,triton``
-    (docs/moe_notes.md §2, session 30)."""
+    ``plan_backend``: ``kernels.moe_plan``'s backend for the routing plan. "auto": Triton's four kernels on a GPU
+    (as fast as the torch reference's ~20 on the packed layout, 0.025-0.048 ms faster per fwd+bwd on the padded
+    one; ``benchmarks/moe.py --plans torch,auto``, docs/moe_notes.md §2), the torch reference on CPU."""
 
-    def __init__(self, num_experts: int, plan_backend: str = "torch"):
+    def __init__(self, num_experts: int, plan_backend: str = "auto"):
         self.num_experts, self.plan_backend = num_experts, plan_backend
 
     def dispatch(self, z: torch.Tensor, experts: torch.Tensor, row_tile: int = 1
