@@ -288,9 +288,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="also time our model with each of these pieces swapped for what it replaced (see ablated)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile two steps (kernels by kind and time), of the last variant timed")
+    ap.add_argument("--expert-gemm", default="torch",
+                    help="the routed experts' grouped GEMMs, as the trainer's precision.expert_gemm: torch, or "
+                         "tiles:<t>/cutlass:<i>[:<j>] (kernels.grouped_gemm_sm90, its library built)")
     args = ap.parse_args(argv)
     if args.accum < 1:
         ap.error(f"--accum {args.accum}: at least one micro-batch a step")
+    try:
+        moe_module.grouped_gemm_configs(args.expert_gemm)
+    except ValueError as err:
+        ap.error(f"--expert-gemm: {err}")
     if args.compile_only and not args.compile:
         ap.error("--compile-only leaves out the eager timing of --compile; add --compile")
     if args.same_start and args.compile and not args.compile_only:
@@ -456,6 +463,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = K3Model(cfg).to(device)
+    moe_module.set_expert_gemm(model, args.expert_gemm)
     if kda == "fla" and swap_kda_kernel(model, fla_kernel()) == 0:
         raise ValueError(f"{args.model} has no KDA layer to run fla's kernel in")
     if ocfg.qk_clip_tau:  # as the trainer: the MLA layers track their max logit for QK-clip
@@ -574,7 +582,7 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
         row = {"model": args.model, "kda": kda, "ablation": ablation, "optim": args.optim, "compile": compiled, "batch": args.batch,
                "accum": args.accum, "seq": args.seq, "data": args.data, "mean_doc": args.mean_doc,
                "document_attention": args.document_attention,
-               "dtype": dtype, "recompute": args.recompute, "warmup": warmup,
+               "dtype": dtype, "recompute": args.recompute, "expert_gemm": args.expert_gemm, "warmup": warmup,
                "start": "shared" if started else "own",
                "gpu": torch.cuda.get_device_name() if cuda else "cpu", "step_ms": dt * 1e3,
                "step_ms_median": per_step[len(per_step) // 2], "step_ms_min": per_step[0],
@@ -592,7 +600,8 @@ def run_variant(kda: str, args, cfg: ModelConfig, ocfg: OptimConfig,
               f"{_fmt(row['peak_mem_gb'], '.1f', 7)} {qb_ms:>6.2f} {row['qb_share']:>5.1%}")
         clock = "GPU time between events" if cuda else "host time"
         origin = " from the first variant's state" if started else ""
-        print(f"  {name}: {args.params} params, {args.optim}; step median {row['step_ms_median']:.1f} ms "
+        experts = "" if args.expert_gemm == "torch" else f", experts on {args.expert_gemm}"
+        print(f"  {name}: {args.params} params, {args.optim}{experts}; step median {row['step_ms_median']:.1f} ms "
               f"(min {row['step_ms_min']:.1f}); loss {row['first_loss']:.4f} at the first of {warmup} warm-up "
               f"steps{origin}; expert load "
               f"max/mean (worst layer) {_load_range(row['expert_load_max_over_mean'])}; "

@@ -200,6 +200,7 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     precision_dtypes(pr, _device_type(t.device))
     _need(pr.linear_backend in ("auto", "torch", "megatron", "te"),
           f"precision.linear_backend={pr.linear_backend!r}: use auto, megatron or te")
+    validate_expert_gemm(pr, p.expert, _device_type(t.device))
     _need(pr.recipe in PRECISION_RECIPES,
           f"precision.recipe={pr.recipe!r}: use one of {', '.join(PRECISION_RECIPES)} "
           f"(or pick a preset: precision=bf16|mxfp8|fp8_block)")
@@ -241,6 +242,38 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(not (pr.recipe == "fp8_block" and t.device == "cpu"),
           "precision.recipe=fp8_block runs on the GPU only (torch._scaled_mm with block scales); on CPU use "
           "precision.recipe=mxfp8 or bf16")
+
+
+def validate_expert_gemm(pr: PrecisionConfig, expert_parallel: int, device_type: str) -> None:
+    """``precision.expert_gemm``: a name ``grouped_gemm_configs`` parses; a CUTLASS one needs one process's experts,
+    and on CUDA the built library, an sm_90 GPU and bf16 compute; on CPU only the expert-tiled kernel's torch
+    reference runs ("tiles:<t>", the weight gradients on the default kernel)."""
+    if pr.expert_gemm == "torch":
+        return
+    from k3train.model.moe import grouped_gemm_configs
+
+    try:
+        gemm = grouped_gemm_configs(pr.expert_gemm)
+    except ValueError as err:
+        raise ConfigError(f"precision.expert_gemm={pr.expert_gemm!r}: {err}") from None
+    _need(expert_parallel == 1,
+          f"precision.expert_gemm={pr.expert_gemm} with parallel.expert={expert_parallel}: the CUTLASS expert GEMMs "
+          f"are built for one process's experts (the EP dispatchers do not pad rows per expert); set "
+          f"precision.expert_gemm=torch or parallel.expert=1")
+    if device_type == "cuda":
+        from kernels import grouped_gemm_sm90
+
+        _need(grouped_gemm_sm90.available(),
+              f"precision.expert_gemm={pr.expert_gemm} needs an sm_90 GPU and the CUTLASS library at "
+              f"{grouped_gemm_sm90.library_path()}: build it (python -m kernels.grouped_gemm_sm90.build --out <path>, "
+              f"then K3_GROUPED_GEMM_LIB=<path>) or set precision.expert_gemm=torch")
+        _need(precision_dtypes(pr, device_type)[0] == "bf16",
+              f"precision.expert_gemm={pr.expert_gemm} runs bf16 GEMMs, but precision.dtype={pr.dtype} is fp32; "
+              f"set precision.dtype=auto or bf16, or precision.expert_gemm=torch")
+    else:
+        _need(gemm.tiled and gemm.wgrad is None,
+              f"precision.expert_gemm={pr.expert_gemm} on {device_type}: the CUTLASS kernels run on CUDA only (on CPU "
+              f"\"tiles:<t>\" runs its torch reference); set precision.expert_gemm=torch or tiles:<t>")
 
 
 def _device_type(device: str) -> str:

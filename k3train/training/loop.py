@@ -38,7 +38,7 @@ from k3train.config.schema import K3Config
 from k3train.config.validate import precision_dtypes
 from k3train.data.batches import batch_to_device
 from k3train.model.k3 import K3Model
-from k3train.model.moe import update_router_biases
+from k3train.model.moe import grouped_gemm_configs, set_expert_gemm, update_router_biases
 from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
@@ -110,6 +110,7 @@ class Trainer:
             self.chunks = build_chunks(cfg.model.num_layers, p.pipeline, p.virtual_stages, list(p.pipeline_layout))
             keep_stage(self.model, self.chunks, self.groups.pp_rank)
         self.model.to(self.device)
+        set_expert_gemm(self.model, cfg.precision.expert_gemm)
         rounding = []
         if cfg.precision.expert_qat:
             from k3train.precision.mx_qat import enable_expert_qat, qat_roundings
@@ -204,6 +205,9 @@ class Trainer:
                     " (the pipeline interleaves the micro-batches)" if pipelined else "")
             print(f"Quantile Balancing: {how}{', re-scored' if m.qb_rescore_stride else ''} "
                   f"(model.qb_updates_per_step, model.qb_step_feedback, model.qb_rescore_stride)", flush=True)
+            if (gemm := self.cfg.precision.expert_gemm) != "torch":
+                print(f"Routed experts: grouped GEMMs on {gemm} (precision.expert_gemm), each expert's rows padded to "
+                      f"a multiple of {grouped_gemm_configs(gemm).row_tile}", flush=True)
         if pipelined:
             from k3train.parallel.pipeline.runtime import PipelineSchedule
 

@@ -22,6 +22,9 @@ from test_training_helpers import train
     (["train.steps=10", "train.profile_steps=[3]"], ["train.profile_steps=[3]", "[first, last]"]),
     (["train.steps=10", "train.profile_steps=[5,3]"], ["train.profile_steps=[5, 3]"]),
     (["train.steps=10", "train.profile_steps=[9,11]"], ["train.profile_steps=[9, 11]", "train.steps=10"]),
+    (["precision.expert_gemm=tiles:9"], ["precision.expert_gemm='tiles:9'", "tiles:<t>"]),
+    (["precision.expert_gemm=cutlass:0", "train.device=cpu"], ["precision.expert_gemm=cutlass:0 on cpu", "CUDA only"]),
+    (["precision.expert_gemm=tiles:1:3", "train.device=cpu"], ["precision.expert_gemm=tiles:1:3 on cpu"]),
 ])
 def test_invalid_settings_are_refused_at_start_up(overrides, needles):
     cfg = load_config(overrides)
@@ -33,9 +36,15 @@ def test_invalid_settings_are_refused_at_start_up(overrides, needles):
         assert n in msg, msg
 
 
+def test_cutlass_expert_gemms_are_refused_under_expert_parallelism():
+    with pytest.raises(ConfigError, match=r"precision.expert_gemm=tiles:1 with parallel.expert=2.*expert_gemm=torch"):
+        validate(load_config(["precision.expert_gemm=tiles:1", "parallel.expert=2"]), world_size=2)
+
+
 def test_valid_settings_pass():
     validate(load_config(["train.eval_iters=0", "train.eval_every=0", "data.split='100,0,0'",
-                          "optim.weight_decay=0", "train.steps=10", "train.profile_steps=[10,10]"]))
+                          "optim.weight_decay=0", "train.steps=10", "train.profile_steps=[10,10]",
+                          "precision.expert_gemm=tiles:1", "train.device=cpu"]))
 
 
 def test_unknown_key_is_refused_with_a_suggestion():
