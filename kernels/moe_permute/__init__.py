@@ -110,7 +110,7 @@ def _dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int, dtyp
 
 @_dispatch_backward.register_fake
 def _dispatch_backward_fake(dx, inverse, top_k, dtype):
-    return dx.new_empty(dx.shape[0] // top_k, dx.shape[1], dtype=dtype)
+    return dx.new_empty(inverse.shape[0] // top_k, dx.shape[1], dtype=dtype)  # dx may hold padding rows
 
 
 def _dispatch_setup(ctx, inputs, output):

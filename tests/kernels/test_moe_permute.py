@@ -296,6 +296,11 @@ def test_triton_custom_op_registration():
     torch.library.opcheck(torch.ops.k3.moe_dispatch_rows, (z, inverse, k))
     torch.library.opcheck(torch.ops.k3.moe_combine_rows, (y, w, inverse))
     torch.library.opcheck(torch.ops.k3.moe_combine_rows, (y, w.detach(), inverse))  # rows weighted before
+    rows = torch.randperm(n * k + 5, generator=g).to(DEV)  # the padded layout: 5 rows hold no copy
+    padded_inverse, pad_rows = rows[:n * k].contiguous(), rows[n * k:].contiguous()
+    torch.library.opcheck(torch.ops.k3.moe_dispatch_rows, (z, padded_inverse, k, pad_rows))
+    y_padded = torch.randn(n * k + 5, ell, generator=g).to(DEV).requires_grad_()
+    torch.library.opcheck(torch.ops.k3.moe_combine_rows, (y_padded, w, padded_inverse, pad_rows))
     du = torch.randn(n, ell, generator=g).to(DEV)
     dy, = torch.autograd.grad(torch.ops.k3.moe_combine_rows(y, w.detach(), inverse), (y,), du)
     torch.testing.assert_close(dy, (w.detach()[:, :, None] * du[:, None, :]).reshape(n * k, ell)[order])
