@@ -200,7 +200,6 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     precision_dtypes(pr, _device_type(t.device))
     _need(pr.linear_backend in ("auto", "torch", "megatron", "te"),
           f"precision.linear_backend={pr.linear_backend!r}: use auto, megatron or te")
-    validate_expert_gemm(pr, p.expert, _device_type(t.device))
     _need(pr.recipe in PRECISION_RECIPES,
           f"precision.recipe={pr.recipe!r}: use one of {', '.join(PRECISION_RECIPES)} "
           f"(or pick a preset: precision=bf16|mxfp8|fp8_block)")
@@ -219,6 +218,10 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
         _need(pr.recipe == "bf16" and not pr.expert_qat,
               f"precision.recipe={pr.recipe}, precision.expert_qat={pr.expert_qat}: train.compile=true is built and "
               f"tested with the plain bf16 GEMMs (precision.recipe=bf16, precision.expert_qat=false); set those or "
+              f"train.compile=false")
+        _need(pr.expert_gemm == "torch",
+              f"precision.expert_gemm={pr.expert_gemm}: train.compile=true is tested with the torch grouped GEMM only "
+              f"(the CUTLASS kernels' compiled graphs have not run on a GPU yet); set precision.expert_gemm=torch or "
               f"train.compile=false")
         _need(t.recompute == "none",
               f"train.recompute={t.recompute}: train.compile=true is not built or tested with activation recompute "
@@ -242,6 +245,7 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
     _need(not (pr.recipe == "fp8_block" and t.device == "cpu"),
           "precision.recipe=fp8_block runs on the GPU only (torch._scaled_mm with block scales); on CPU use "
           "precision.recipe=mxfp8 or bf16")
+    validate_expert_gemm(pr, p.expert, _device_type(t.device))
 
 
 def validate_expert_gemm(pr: PrecisionConfig, expert_parallel: int, device_type: str) -> None:
