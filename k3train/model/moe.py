@@ -238,13 +238,13 @@ def experts_and_combine(dispatcher, experts: RoutedExperts, grouped: torch.Tenso
     return dispatcher.combine(y, weights if row_weights is None else None, handle)
 
 
-
 def set_expert_gemm(model: nn.Module, gemm: str) -> None:
     """Every ``RoutedExperts`` of ``model`` runs its grouped GEMMs on ``gemm`` (``precision.expert_gemm``,
     ``grouped_gemm_configs``); the MoE layers' dispatch pads rows to its ``row_tile``."""
     for module in model.modules():
         if isinstance(module, RoutedExperts):
             module.grouped_gemm = gemm
+
 
 class LatentMoE(nn.Module):
     """Input/output [B, T, d]. ``load`` counts tokens per expert over the step's micro-batches.
