@@ -23,6 +23,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # The interpreter takes small tiles.
 GPU_TILES = (128, 256, 64, 8, 3)
 INTERPRETER_TILES = (16, 16, 16, 4, 1)
+BY_SIZE_BLOCK = 128  # experts per program of the by-size order (bench-1B's 128: one program)
+INTERPRETER_BY_SIZE_BLOCK = 16  # several programs and column blocks in the CPU tests
 
 
 @triton.jit
@@ -55,21 +57,33 @@ def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: 
 
 
 @triton.jit
-def _by_size_kernel(OFFSETS, ORDER, E, EP: tl.constexpr):
-    """order = the experts by row count, largest first, ties by id (a stable descending argsort): expert e goes
-    to #{f : n_f > n_e, or n_f = n_e and f < e}, with n the differences of the cumulative OFFSETS [E]."""
-    e = tl.arange(0, EP)
+def _expert_rows(OFFSETS, e, E):
+    """n_e = the rows of expert e from the cumulative OFFSETS [E]; −1 for e ≥ E (sorts after every expert)."""
     ends = tl.load(OFFSETS + e, mask=e < E, other=0)
-    n = tl.where(e < E, ends - tl.load(OFFSETS + e - 1, mask=(e > 0) & (e < E), other=0), -1)  # padding: last
-    n_e, n_f = n[:, None], n[None, :]
-    ahead = (n_f > n_e) | ((n_f == n_e) & (e[None, :] < e[:, None]))
-    tl.store(ORDER + tl.sum(ahead.to(tl.int32), axis=1), e, mask=e < E)
+    return tl.where(e < E, ends - tl.load(OFFSETS + e - 1, mask=(e > 0) & (e < E), other=0), -1)
+
+
+@triton.jit
+def _by_size_kernel(OFFSETS, ORDER, E, BLOCK: tl.constexpr):
+    """order = the experts by row count, largest first, ties by id (a stable descending argsort): expert e goes
+    to #{f : n_f > n_e, or n_f = n_e and f < e}. One program per BLOCK experts e, walking every f BLOCK at a time
+    (a [BLOCK, BLOCK] comparison tile, whatever E)."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n_e = _expert_rows(OFFSETS, e, E)[:, None]
+    ahead = tl.zeros((BLOCK,), dtype=tl.int32)
+    for f0 in range(0, E, BLOCK):
+        f = f0 + tl.arange(0, BLOCK)
+        n_f = _expert_rows(OFFSETS, f, E)[None, :]
+        ahead += tl.sum(((n_f > n_e) | ((n_f == n_e) & (f[None, :] < e[:, None]))).to(tl.int32), axis=1)
+    tl.store(ORDER + ahead, e, mask=e < E)
 
 
 def experts_by_size(offsets: torch.Tensor) -> torch.Tensor:
     """offsets [E] int32 cumulative → [E] int32: the experts by row count, largest first, ties by id."""
     order = torch.empty_like(offsets)
-    _by_size_kernel[(1,)](offsets, order, offsets.shape[0], EP=triton.next_power_of_2(max(offsets.shape[0], 1)))
+    E = offsets.shape[0]
+    block = BY_SIZE_BLOCK if offsets.is_cuda else INTERPRETER_BY_SIZE_BLOCK
+    _by_size_kernel[(triton.cdiv(E, block),)](offsets, order, E, BLOCK=block)
     return order
 
 

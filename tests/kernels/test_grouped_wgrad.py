@@ -61,7 +61,9 @@ def test_triton_kernel_matches_reference(counts, o, c):
 
 
 @triton_cpu
-@pytest.mark.parametrize("counts", COUNTS + [[5, 9, 5, 0, 9, 5, 1]], ids=str)
+@pytest.mark.parametrize("counts", COUNTS + [[5, 9, 5, 0, 9, 5, 1],
+                                    torch.randint(0, 6, (41,), generator=torch.Generator().manual_seed(3)).tolist()],
+                         ids=lambda c: str(c) if len(c) < 10 else f"{len(c)} experts")
 def test_triton_experts_by_size_is_a_stable_descending_argsort(counts):
     from kernels.grouped_wgrad.triton_grouped_wgrad import experts_by_size
 
