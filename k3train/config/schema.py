@@ -168,7 +168,7 @@ class PrecisionConfig:
     # and the Triton wgrad), or kernels.grouped_gemm_sm90's CUTLASS kernels, an optional build for bf16 on sm_90:
     # "tiles:1" (the expert-tiled kernel, rows padded per expert: 1.30x the dense GEMMs against torch's 1.40x on
     # bench-1B's MoE, docs/moe_notes.md §2), "cutlass:<i>", either with ":<j>" for the wgrad. One process's
-    # experts only (parallel.expert = 1), eager layers only (train.compile=false) until compiled on a GPU.
+    # experts only (parallel.expert = 1).
     expert_gemm: str = "torch"
     # Quantization-aware training of routed experts (issue 5): MXFP4 weights, MXFP8 inputs.
     expert_qat: bool = False

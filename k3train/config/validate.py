@@ -219,10 +219,6 @@ def validate(cfg: K3Config, world_size: int = 1) -> None:
               f"precision.recipe={pr.recipe}, precision.expert_qat={pr.expert_qat}: train.compile=true is built and "
               f"tested with the plain bf16 GEMMs (precision.recipe=bf16, precision.expert_qat=false); set those or "
               f"train.compile=false")
-        _need(pr.expert_gemm == "torch",
-              f"precision.expert_gemm={pr.expert_gemm}: train.compile=true is tested with the torch grouped GEMM only "
-              f"(the CUTLASS kernels' compiled graphs have not run on a GPU yet); set precision.expert_gemm=torch or "
-              f"train.compile=false")
         _need(t.recompute == "none",
               f"train.recompute={t.recompute}: train.compile=true is not built or tested with activation recompute "
               f"(a recomputed module's replay flag is a Python global the compiled graphs would guard on); set "

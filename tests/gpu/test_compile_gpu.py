@@ -16,8 +16,10 @@ import torch
 import yaml
 from torch._dynamo.utils import counters
 
+from kernels import grouped_gemm_sm90
 from k3train.config.schema import ModelConfig
 from k3train.model.k3 import K3Model
+from k3train.model.moe import set_expert_gemm
 from k3train.training.compile import begin_forward, compile_layers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,8 +43,13 @@ def _distance(got: dict, want: dict) -> tuple[float, dict[str, float]]:
     return total / sum(float(w.norm()) ** 2 for w in want.values()) ** 0.5, per
 
 
+NEEDS_CUTLASS = pytest.mark.skipif(not grouped_gemm_sm90.available(),
+                                   reason="needs the CUTLASS library (kernels.grouped_gemm_sm90.build)")
+
+
+@pytest.mark.parametrize("expert_gemm", ["torch", pytest.param("tiles:1", marks=NEEDS_CUTLASS)])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiled_layers_match_eager(mode):
+def test_compiled_layers_match_eager(mode, expert_gemm):
     """Packed rows of 3, then 7 documents, then one document per row: compiled layers get the document
     offsets padded to a bucket (16 entries here) and take the packed path for every layout
     (``Documents.one_per_row`` is False for bucketed offsets), so 5 layer kinds = 5 graphs, no graph
@@ -54,7 +61,8 @@ def test_compiled_layers_match_eager(mode):
     within 2x eager's over all parameters and 4x on every parameter (CPU, inductor, measured: 0.76-1.19x
     and at most 2.07x). Each compiled step runs twice (under "reduce-overhead" the second call replays
     the CUDA graphs the first recorded), and the first layout comes back after the others: the repeats
-    must agree with the first runs (``_agree``)."""
+    must agree with the first runs (``_agree``). With ``expert_gemm`` = "tiles:1" the bf16 eager and compiled
+    models run the CUTLASS expert-tiled products (rows padded per expert), the fp32 reference torch's."""
     cfg = ModelConfig(**yaml.safe_load((REPO / "conf/model/k3_tiny_kernel.yaml").read_text()))
     torch._dynamo.reset()
     counters.clear()
@@ -65,6 +73,7 @@ def test_compiled_layers_match_eager(mode):
             if name.endswith("_res.proj"):
                 p.normal_(0, 0.5)
     reference = copy.deepcopy(eager)
+    set_expert_gemm(eager, expert_gemm)
     compiled = copy.deepcopy(eager)
     compile_layers(compiled, mode=mode)
     g = torch.Generator().manual_seed(1)
@@ -145,18 +154,19 @@ def test_qb_keeps_each_micro_batchs_router_inputs_under_cuda_graphs():
         assert err <= 0.25 * scale  # bf16 noise moves the quantiles a little (CPU, aot_eager: equal)
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_trainer_with_compile(tmp_path, mode):
+@pytest.mark.parametrize("mode, expert_gemm", [("default", "torch"), ("reduce-overhead", "torch"),
+                                               pytest.param("reduce-overhead", "tiles:1", marks=NEEDS_CUTLASS)])
+def test_trainer_with_compile(tmp_path, mode, expert_gemm):
     """python -m k3train.train train.compile=true with each train.compile_mode (reduce-overhead: CUDA
-    graphs), with evaluation and checkpoints between steps: trains, and no layer hits dynamo's
-    recompile limit."""
+    graphs) and the CUTLASS expert GEMMs, with evaluation and checkpoints between steps: trains, and no
+    layer hits dynamo's recompile limit."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                TORCH_LOGS="recompiles")
     proc = subprocess.run(
         [sys.executable, "-m", "k3train.train", "model=k3_tiny_kernel", "train.device=cuda", "train.steps=12",
          "train.global_batch_size=8", "train.micro_batch_size=4", "data.seq_len=512", "train.eval_every=6",
          "train.save_every=6", "logging.wandb=false", "optim.lr=3e-3", "train.compile=true", f"train.compile_mode={mode}",
-         f"train.out_dir={tmp_path}"],
+         f"precision.expert_gemm={expert_gemm}", f"train.out_dir={tmp_path}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "recompile_limit" not in proc.stderr, proc.stderr[-3000:]

@@ -199,7 +199,6 @@ def test_triton_compiled_layers_keep_their_graphs_over_packed_batches():
     ({"precision": {"expert_qat": True}}, "precision.expert_qat"),
     ({"train": {"recompute": "full"}}, "train.recompute"),
     ({"train": {"compile_mode": "max-autotune"}}, "train.compile_mode"),
-    ({"precision": {"expert_gemm": "tiles:1"}}, "precision.expert_gemm=tiles:1: train.compile=true"),
 ])
 def test_config_refuses_what_is_not_compiled(override, field):
     cfg = K3Config()
