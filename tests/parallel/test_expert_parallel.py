@@ -29,6 +29,13 @@ from test_training_helpers import checkpoint_tensors, torchrun, train
 
 
 
+# Parameters after 6 steps, ‖EP − one rank‖ / ‖one rank‖. AdamW's normalised updates carry the summation-order
+# noise of near-zero gradients at full size, which shows most on small vectors that start at zero: on an
+# AVX-512/AMX CPU (session 33) layer 5's AttnRes pseudo-query was at 1.55e-5 (norm 0.053) in both EP=2 runs and
+# every other tensor at ≤ 6e-6 (earlier CI machines passed 1e-5).
+EP_PARAM_REL = 3e-5
+
+
 def metrics(out_dir) -> dict[int, tuple[float, float]]:
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"}
@@ -62,7 +69,7 @@ def ep2(tmp_path_factory):
 
 def test_ep2_matches_one_rank(single, ep2, tmp_path):
     assert_close(metrics(ep2), metrics(single), range(1, 7), 1e-5, 1e-5)
-    assert_same_parameters(ep2, single, tmp_path, 1e-5)
+    assert_same_parameters(ep2, single, tmp_path, EP_PARAM_REL)
 
 
 def ep_compute(out_dir) -> list[float]:
@@ -75,7 +82,7 @@ def test_ep2_balanced_matches_one_rank(single, ep2, tmp_path):
     EP rank's expert GEMMs run the same number of rows in every layer (plain EP: not so)."""
     torchrun(tmp_path, *STEPS, "parallel.expert=2", "parallel.ep_dispatcher=balanced")
     assert_close(metrics(tmp_path), metrics(single), range(1, 7), 1e-5, 1e-5)
-    assert_same_parameters(tmp_path, single, tmp_path, 1e-5)
+    assert_same_parameters(tmp_path, single, tmp_path, EP_PARAM_REL)
     assert ep_compute(tmp_path) == [1.0] * 6
     assert len(ep_compute(ep2)) == 6 and max(ep_compute(ep2)) > 1.0
 
