@@ -6,6 +6,7 @@
 //   3        as 1, plus the pre-activations to an aux output (CUTLASS's LinCombPerRowBiasEltActAux)
 //   4        D = the pre-activations, h x row scale to a compact [M, I] by per-thread global stores (end of subtile)
 //   6        the same, each h stored in visit() at the tile's static per-thread coordinates
+//   7        the same, h through shared memory and a TMA store per subtile (built; not yet run on a GPU)
 //   5        W2 dgrad with SiTU's backward: aux = the pre-activations as packed (gate_j, up_j) bf16 pairs (uint32),
 //            D = packed (dgate_j, dup_j) pairs; no row scale
 #include "../../../kernels/grouped_gemm_sm90/grouped_gemm.cu"
@@ -269,6 +270,134 @@ using SituHalfDirectEVT = cutlass::epilogue::fusion::Sm90EVT<
             cutlass::epilogue::fusion::Sm90AccFetch,
             cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileMNK, float>>>>;
 
+
+// h[m, j] for the pair (2j, 2j+1), through shared memory and a TMA store per epilogue subtile: the subtile's
+// [EpiM, EpiN] accumulator columns give an [EpiM, EpiN/2] h tile. Each thread keeps its values in registers during
+// visit(), writes the even-column ones to the stage's smem tile in postreduce() (the collective then fences and
+// syncs), and the issuing thread stores the tile in tma_store(); stages follow the collective's store iteration.
+template <int Stages, int EpiM, int EpiN>
+struct Sm90HalfTmaStore {
+  using StrideH = ExpertTileStrideAD;  // (ld, 1, 0): every group's tiles in one [M, N/2] tensor
+  using SmemLayoutTma = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<EpiN / 2>>,
+                                     cute::Stride<cute::Int<EpiN / 2>, cute::_1>>;
+  using SmemLayout = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<EpiN / 2>, cute::Int<Stages>>,
+                                  cute::Stride<cute::Int<EpiN / 2>, cute::_1, cute::Int<EpiM * EpiN / 2>>>;
+  struct SharedStorage {
+    alignas(128) cute::array_aligned<Bf16, cute::cosize_v<SmemLayout>> smem_h;
+  };
+  struct Arguments {
+    Bf16* ptr = nullptr;
+    int64_t ld = 0;
+  };
+  struct Params {
+    using TMA_H = decltype(cute::make_tma_copy(
+        cute::SM90_TMA_STORE{},
+        cute::make_tensor(static_cast<Bf16*>(nullptr), cute::repeat_like(StrideH{}, int32_t(0)), StrideH{}),
+        SmemLayoutTma{}));
+    TMA_H tma_store_h;
+  };
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void*) {
+    auto [M, N, K, L] = cute::append<4>(problem_shape, 1);
+    auto tensor_h = cute::make_tensor(args.ptr, cute::make_layout(cute::make_shape(M, N / 2, L),
+                                                                  StrideH{args.ld, {}, {}}));
+    return {cute::make_tma_copy(cute::SM90_TMA_STORE{}, tensor_h, SmemLayoutTma{})};
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  CUTLASS_HOST_DEVICE Sm90HalfTmaStore() {}
+  CUTLASS_HOST_DEVICE Sm90HalfTmaStore(Params const& params, SharedStorage const& shared)
+      : params_ptr(&params), smem_h(const_cast<Bf16*>(shared.smem_h.data())) {}
+  Params const* params_ptr;
+  Bf16* smem_h;
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class CTensor, class RTensor, class STensorS2G, class GTensorS2G>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor c, RTensor&& r, STensorS2G&& s, GTensorS2G&& g, Bf16* smem,
+                                          Params const* p)
+        : tC_c(c), tC_r(cute::forward<RTensor>(r)), bSG_s(cute::forward<STensorS2G>(s)),
+          bSG_g(cute::forward<GTensorS2G>(g)), smem_h(smem), params_ptr(p) {}
+    CTensor tC_c;       // (CPY,CPY_M,CPY_N,EPI_M,EPI_N) coordinates in the CTA tile
+    RTensor tC_r;       // (CPY,CPY_M,CPY_N) this subtile's values
+    STensorS2G bSG_s;   // (TMA,TMA_M,TMA_N,PIPE)
+    GTensorS2G bSG_g;   // (TMA,TMA_M,TMA_N,EPI_M,EPI_N)
+    Bf16* smem_h;
+    Params const* params_ptr;
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int,
+                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      cutlass::NumericArrayConverter<Bf16, ElementInput, FragmentSize> convert{};
+      auto frg = cute::recast<cutlass::Array<Bf16, FragmentSize>>(cute::coalesce(tC_r));
+      frg(epi_v) = convert(frg_input);
+      return frg_input;
+    }
+
+    CUTLASS_DEVICE void postreduce(int epi_m, int epi_n, int store_iteration, bool issue_smem_store) {
+      if (!issue_smem_store) return;
+      auto c = tC_c(cute::_, cute::_, cute::_, epi_m, epi_n);
+      Bf16* stage = smem_h + (store_iteration % Stages) * (EpiM * EpiN / 2);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < cute::size(tC_r); i += 2) {
+        auto mn = c(i);
+        int rm = cute::get<0>(mn) - epi_m * EpiM, rn = cute::get<1>(mn) - epi_n * EpiN;
+        stage[rm * (EpiN / 2) + (rn >> 1)] = tC_r(i);
+      }
+    }
+
+    CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int store_iteration, bool issue_tma_store) {
+      if (issue_tma_store) {
+        cute::copy(params_ptr->tma_store_h, bSG_s(cute::_, cute::_, cute::_, store_iteration % Stages),
+                   bSG_g(cute::_, cute::_, cute::_, epi_m, epi_n));
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    Tensor tC_c = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        make_identity_tensor(take<0, 2>(args.tile_shape_mnk)), args.epi_tile, args.tiled_copy, args.thread_idx);
+    Tensor tC_r = make_tensor<Bf16>(take<0, 3>(shape(tC_c)));
+    Tensor mH = params_ptr->tma_store_h.get_tma_tensor(make_shape(M, N / 2, L));
+    auto half_tile = make_shape(size<0>(args.tile_shape_mnk), size<1>(args.tile_shape_mnk) / _2{});
+    Tensor gH = local_tile(mH, half_tile, make_coord(m, n, l));                          // (CTA_M, CTA_N/2)
+    Tensor gH_epi = flat_divide(gH, make_shape(Int<EpiM>{}, Int<EpiN / 2>{}));          // (EPI_M', EPI_N', EPI_M, EPI_N)
+    Tensor sH = make_tensor(make_smem_ptr(smem_h), SmemLayout{});                         // (EPI_M', EPI_N', PIPE)
+    ThrCopy thrblk_s2g = params_ptr->tma_store_h.get_slice(_0{});
+    Tensor bSG_s = thrblk_s2g.partition_S(sH);
+    Tensor bSG_g = thrblk_s2g.partition_D(gH_epi);
+    return ConsumerStoreCallbacks<decltype(tC_c), decltype(tC_r), decltype(bSG_s), decltype(bSG_g)>(
+        tC_c, cute::move(tC_r), cute::move(bSG_s), cute::move(bSG_g), smem_h, params_ptr);
+  }
+};
+
+template <class TileMNK>
+using SituHalfTmaEVT = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<TakeFirst, Bf16, float, cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90AccFetch,
+    cutlass::epilogue::fusion::Sm90EVT<
+        Sm90HalfTmaStore<2, 64, 32>,
+        cutlass::epilogue::fusion::Sm90EVT<
+            cutlass::epilogue::fusion::Sm90Compute<SituDupScaled, float, float, cutlass::FloatRoundStyle::round_to_nearest>,
+            cutlass::epilogue::fusion::Sm90AccFetch,
+            cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileMNK, float>>>>;
+
 template <template <class> class Op>
 using PairEVT = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<Op, Bf16, float, cutlass::FloatRoundStyle::round_to_nearest>,
@@ -369,6 +498,7 @@ extern "C" int64_t k3x_situ_fused(int variant, const void* a, const void* b, voi
     case 3: return fused<FusedGemm<true, 64, 256, 64, ActAux<SituApprox>, 1>>(a, b, d, tile_expert, groups, M, N, K, workspace, ws, sm_count, s, aux);
     case 5: return fused<FusedGemm<true, 64, 256, 64, SituBwdOp, 3, 1, uint32_t>>(a, b, d, tile_expert, groups, M, N, K, workspace, ws, sm_count, s, aux, scale);
     case 6: return fused<FusedGemm<true, 64, 256, 64, SituHalfDirectEVT<cute::Shape<cute::_64, cute::_256, cute::_64>>, 2>>(a, b, d, tile_expert, groups, M, N, K, workspace, ws, sm_count, s, aux, scale);
+    case 7: return fused<FusedGemm<true, 64, 256, 64, SituHalfTmaEVT<cute::Shape<cute::_64, cute::_256, cute::_64>>, 2>>(a, b, d, tile_expert, groups, M, N, K, workspace, ws, sm_count, s, aux, scale);
     case 4: return fused<FusedGemm<true, 64, 256, 64, SituHalfEVT<cute::Shape<cute::_64, cute::_256, cute::_64>>, 2>>(a, b, d, tile_expert, groups, M, N, K, workspace, ws, sm_count, s, aux, scale);
   }
   return -1;
