@@ -197,9 +197,11 @@ int run(const void* a, const void* b, void* d, const int* offsets, int groups, i
 }
 
 // A configuration on CUTLASS's plain (not pointer-array) persistent kernel, problem (M, N, K, L), with the
-// operands' strides (A and D [M, ., L], B (N, K, L)) and the tile scheduler as parameters.
+// operands' strides (A and D [M, ., L], B (N, K, L)) and the tile scheduler as parameters; the epilogue's fusion
+// and its D and C types too (D = A @ B in bf16 by default; ``arguments`` sets that default's alpha and beta).
 template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM, class StrideA, class StrideB, class StrideD,
-          class SchedulerTag = void>
+          class SchedulerTag = void, class Fusion = cutlass::epilogue::fusion::LinearCombination<Bf16, float>,
+          class ElementD = Bf16, class ElementC = ElementD>
 struct PlainGemm {
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
@@ -208,13 +210,14 @@ struct PlainGemm {
   using EpilogueSchedule = cute::conditional_t<PingPong, cutlass::epilogue::TmaWarpSpecialized,
                                                cutlass::epilogue::TmaWarpSpecializedCooperative>;
   static constexpr int kAlign = 16 / sizeof(Bf16);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      Bf16, StrideD, kAlign,  // C (not read: beta = 0)
-      Bf16, StrideD, kAlign,  // D
-      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Bf16, float>>::CollectiveOp;
+      ElementC, StrideD, kAlignD,  // C (not read: beta = 0)
+      ElementD, StrideD, kAlignD,  // D
+      EpilogueSchedule, Fusion>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,

@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, ".")
 from benchmarks.moe import make_routing  # noqa: E402
+from docs.experiments.graph_timing import graph_us  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
 from kernels import grouped_gemm_sm90 as gg  # noqa: E402
 from kernels.grouped_wgrad import grouped_wgrad  # noqa: E402
@@ -56,33 +57,6 @@ def tiled(a, b, cfg, sms):
 side = torch.cuda.Stream()
 
 
-def timed(fn, reps=20, graphs_runs=5):
-    """µs per call of fn (a CUDA graph of `reps` calls, median of runs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(graphs_runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / reps)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def both(main_fn, side_fn, side_first=False):
     def f():
         cur = torch.cuda.current_stream()
@@ -120,7 +94,7 @@ res = {}
 
 
 def rec(name, fn):
-    t = timed(fn)
+    t = graph_us(fn)
     res[name] = t
     print(f"{t:9.1f}  {name}", flush=True)
 

@@ -10,11 +10,14 @@ import torch
 
 sys.path.insert(0, ".")
 from benchmarks.moe import make_routing  # noqa: E402
+from docs.experiments.graph_timing import graph_us  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
 from kernels import grouped_gemm_sm90 as gg  # noqa: E402
 from kernels.moe_plan import group_offsets  # noqa: E402
 from kernels.situ import situ_glu_packed  # noqa: E402
+from kernels.situ.reference import situ_backward as situ_bwd_ref  # noqa: E402
 from kernels.situ.reference import situ_forward  # noqa: E402
+from kernels.situ.triton_situ import situ_backward as situ_bwd_triton  # noqa: E402
 
 dev = torch.device("cuda")
 N, E, k, ell, I = 16384, 128, 8, 512, 256
@@ -49,31 +52,6 @@ def fused(variant):
                             (H if variant in (4, 6, 7) else AUX).data_ptr(), RW.data_ptr())
     assert st == 0, st
     return out
-
-
-def timed(fn, reps=20, runs=5):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(ts)[len(ts) // 2]
 
 
 valid = (tile_expert >= 0).repeat_interleave(64)
@@ -138,7 +116,7 @@ def dump():
 
 
 def rec(name, fn):
-    res[name] = t = timed(fn)
+    res[name] = t = graph_us(fn)
     print(f"{t:9.1f}  {name}", flush=True)
 
 
@@ -170,8 +148,6 @@ def fused_bwd():
     return D5
 
 
-from kernels.situ.reference import situ_backward as situ_bwd_ref  # noqa: E402
-from kernels.situ.triton_situ import situ_backward as situ_bwd_triton  # noqa: E402
 
 fused_bwd()
 torch.cuda.synchronize()

@@ -72,10 +72,36 @@ template <class T> struct SituApprox : SituPairOf<1>::Fn<T> {};
 template <class T> struct SituNone : SituPairOf<2>::Fn<T> {};
 
 
-// h[m, j] for the pair (2j, 2j+1) of the accumulator tile: a register-direct store (no smem, no TMA) through a
-// gmem layout whose N mode (2, N/2) : (0, 1) sends both columns of a pair to h's column j (each value is
-// written twice, the same value).
-struct Sm90HalfStore {
+// What an epilogue visitor that only stores needs besides its callbacks: no workspace, no loads.
+struct StoreOnlyVisitor {
+  template <class ProblemShape, class Arguments>
+  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
+  template <class ProblemShape, class Arguments>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape, class Arguments>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+};
+
+// Keeps fragment epi_v of a subtile's visited values, in bf16, in the thread's register tensor tC_r (compact, so
+// its linear order is the fragments' order).
+template <class RTensor, class ElementInput, int FragmentSize>
+CUTLASS_DEVICE void keep_fragment(RTensor& tC_r, int epi_v, cutlass::Array<ElementInput, FragmentSize> const& frg) {
+  cutlass::NumericArrayConverter<Bf16, ElementInput, FragmentSize> convert{};
+  cute::recast<cutlass::Array<Bf16, FragmentSize>>(cute::coalesce(tC_r))(epi_v) = convert(frg);
+}
+
+// h[m, j] for the pair (2j, 2j+1) of the accumulator tile: a register-direct store (no smem, no TMA). Each
+// thread keeps its subtile's values and, at the subtile's end, stores those of even columns at h[m, n / 2].
+struct Sm90HalfStore : StoreOnlyVisitor {
   struct SharedStorage {};
   struct Arguments {
     Bf16* ptr = nullptr;
@@ -84,24 +110,9 @@ struct Sm90HalfStore {
   using Params = Arguments;
   template <class ProblemShape>
   static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
   CUTLASS_HOST_DEVICE Sm90HalfStore() {}
   CUTLASS_HOST_DEVICE Sm90HalfStore(Params const& params, SharedStorage const&) : params_ptr(&params) {}
   Params const* params_ptr;
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   template <class CTensor, class RTensor>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
@@ -113,9 +124,7 @@ struct Sm90HalfStore {
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int,
                               cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      cutlass::NumericArrayConverter<Bf16, ElementInput, FragmentSize> convert{};
-      auto frg = cute::recast<cutlass::Array<Bf16, FragmentSize>>(cute::coalesce(tC_r));
-      frg(epi_v) = convert(frg_input);
+      keep_fragment(tC_r, epi_v, frg_input);
       return frg_input;
     }
     CUTLASS_DEVICE void end_loop(int epi_m, int epi_n) {
@@ -276,7 +285,7 @@ using SituHalfDirectEVT = cutlass::epilogue::fusion::Sm90EVT<
 // visit(), writes the even-column ones to the stage's smem tile in postreduce() (the collective then fences and
 // syncs), and the issuing thread stores the tile in tma_store(); stages follow the collective's store iteration.
 template <int Stages, int EpiM, int EpiN>
-struct Sm90HalfTmaStore {
+struct Sm90HalfTmaStore : StoreOnlyVisitor {
   using StrideH = ExpertTileStrideAD;  // (ld, 1, 0): every group's tiles in one [M, N/2] tensor
   using SmemLayoutTma = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<EpiN / 2>>,
                                      cute::Stride<cute::Int<EpiN / 2>, cute::_1>>;
@@ -303,26 +312,11 @@ struct Sm90HalfTmaStore {
                                                                   StrideH{args.ld, {}, {}}));
     return {cute::make_tma_copy(cute::SM90_TMA_STORE{}, tensor_h, SmemLayoutTma{})};
   }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
   CUTLASS_HOST_DEVICE Sm90HalfTmaStore() {}
   CUTLASS_HOST_DEVICE Sm90HalfTmaStore(Params const& params, SharedStorage const& shared)
       : params_ptr(&params), smem_h(const_cast<Bf16*>(shared.smem_h.data())) {}
   Params const* params_ptr;
   Bf16* smem_h;
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   template <class CTensor, class RTensor, class STensorS2G, class GTensorS2G>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
@@ -340,9 +334,7 @@ struct Sm90HalfTmaStore {
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int,
                               cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      cutlass::NumericArrayConverter<Bf16, ElementInput, FragmentSize> convert{};
-      auto frg = cute::recast<cutlass::Array<Bf16, FragmentSize>>(cute::coalesce(tC_r));
-      frg(epi_v) = convert(frg_input);
+      keep_fragment(tC_r, epi_v, frg_input);
       return frg_input;
     }
 
@@ -406,37 +398,15 @@ using PairEVT = cutlass::epilogue::fusion::Sm90EVT<
 template <template <class> class Op>
 using ActAux = cutlass::epilogue::fusion::LinCombPerRowBiasEltActAux<cutlass::layout::RowMajor, Op, Bf16, float, Bf16, Bf16, Bf16>;
 
+// The expert-tiled kernel (ExpertTiledGemm's strides and scheduler) with the epilogue fusion given; C is not read.
 template <bool PingPong, int TileM, int TileN, int TileK, class Fusion, int WithAux = 0, int Mode = 0, class ElementD = Bf16>
-struct FusedGemm {
+struct FusedGemm : PlainGemm<PingPong, TileM, TileN, TileK, 1, ExpertTileStrideAD, ExpertTileStrideB<Mode>,
+                             ExpertTileStrideAD, ExpertTileSchedulerTag, Fusion, ElementD, void> {
+  using Base = typename FusedGemm::PlainGemm;
+  using Gemm = typename Base::Gemm;
   using StrideA = ExpertTileStrideAD;
   using StrideB = ExpertTileStrideB<Mode>;
   using StrideD = ExpertTileStrideAD;
-  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using MainloopSchedule = cute::conditional_t<PingPong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-  using EpilogueSchedule = cute::conditional_t<PingPong, cutlass::epilogue::TmaWarpSpecialized,
-                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
-  static constexpr int kAlign = 16 / sizeof(Bf16);
-
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, StrideD, 16 / sizeof(ElementD),
-      ElementD, StrideD, 16 / sizeof(ElementD),
-      EpilogueSchedule, Fusion>::CollectiveOp;
-
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Bf16, StrideA, kAlign,
-      Bf16, StrideB, kAlign,
-      float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      MainloopSchedule>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      ExpertTileSchedulerTag>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Gemm::Arguments arguments(const void* a, const void* b, void* d, const int* tile_expert, int groups,
                                             int M, int N, int K, int sm_count, void* aux = nullptr, const float* scale = nullptr) {
