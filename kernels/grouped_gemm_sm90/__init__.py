@@ -33,8 +33,18 @@ only where ``RoutedExperts.grouped_gemm`` names a configuration (``benchmarks/mo
     rows' outputs are unspecified. On one H200 (session 27, ``--gemm-products``) its four products at bench-1B
     took 0.096 ms less than ``torch._grouped_mm``'s, 8–17% behind dense cuBLAS (docs/moe_notes.md §2).
 
-``grouped_mm_op`` and ``expert_tiled_mm_op`` (both the custom op ``k3::grouped_mm_sm90``) and ``grouped_wgrad_op``
-(``k3::grouped_wgrad_sm90``) are the same for torch.compile, with fakes.
+    pre, h = expert_tiled_situ_forward(x_padded, w13, tile_expert, row_scale)
+    d_pre, ds = expert_tiled_situ_backward(dy, w2, pre, tile_expert, row_scale)
+    The routed experts' two products that SiTU-GLU follows and precedes, with SiTU in their CUTLASS epilogues
+    (``situ_epilogue.cuh``, configuration ``SITU_CONFIG``): W13 (rows interleaved gate_j, up_j) gives the
+    pre-activations and h = s·SiTU from its fp32 accumulators; the W2 dgrad gives the pre-activations' gradient and
+    the row scale's (ds). ``expert_tiled_situ_reference`` is the same in fp32 torch. On one H200 at bench-1B
+    (session 34, natural routing) they took 157 and 143 µs against 211 and 200 µs for the plain products followed
+    by the Triton SiTU kernels (docs/moe_notes.md §2).
+
+``grouped_mm_op`` and ``expert_tiled_mm_op`` (both the custom op ``k3::grouped_mm_sm90``), ``grouped_wgrad_op``
+(``k3::grouped_wgrad_sm90``) and ``expert_tiled_situ_forward_op`` / ``_backward_op`` (``k3::situ_forward_sm90``,
+``k3::situ_backward_sm90``) are the same for torch.compile, with fakes.
 
 The library is built ahead with nvcc and CUTLASS's headers (``python -m kernels.grouped_gemm_sm90.build``;
 sm_90a code, so the build needs no GPU) and found at ``$K3_GROUPED_GEMM_LIB`` or ``LIB_DEFAULT``. The call
@@ -53,6 +63,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from kernels.situ import reference as situ_reference
 
 LIB_DEFAULT = Path(os.environ.get("K3TRAIN_CACHE", Path.home() / ".cache" / "k3train")) / "grouped_gemm_sm90" / \
     "libk3gg.so"
@@ -127,6 +139,13 @@ def _load():
         lib.k3gg_expert_tiled_workspace_bytes.restype = i64
         lib.k3gg_expert_tiled_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, size_t, i32, ptr]
         lib.k3gg_expert_tiled_run.restype = i32
+        f32 = ctypes.c_float
+        lib.k3gg_situ_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, f32, f32, ptr, size_t,
+                                          i32, ptr]
+        lib.k3gg_situ_forward.restype = i64
+        lib.k3gg_situ_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr, f32, f32, ptr,
+                                           size_t, i32, ptr]
+        lib.k3gg_situ_backward.restype = i64
         if lib.k3gg_num_configs() != len(CONFIGS):
             raise RuntimeError(f"{path} holds {lib.k3gg_num_configs()} configurations, this module lists "
                                f"{len(CONFIGS)}: rebuild it")
@@ -302,6 +321,106 @@ def expert_tiled_mm_reference(a: torch.Tensor, b: torch.Tensor, tile_expert: tor
     return out
 
 
+SITU_CONFIG = 1  # the configuration whose expert-tiled products carry SiTU in their epilogues (situ_epilogue.cuh)
+
+
+def _situ_operands(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor, row_scale: torch.Tensor | None,
+                   width: int) -> torch.Tensor | None:
+    """Checks the SiTU products' operands (a [capacity · 64, K], w [G, ., .] packed, SiTU ``width`` I); row_scale as
+    fp32 [M] (or None)."""
+    tile_m = CONFIGS[SITU_CONFIG].tile[0]
+    if a.dim() != 2 or w.dim() != 3 or not (a.is_contiguous() and w.is_contiguous()):
+        raise ValueError(f"a and w must be a contiguous [M, K] and [G, ., .], got {tuple(a.shape)} and {tuple(w.shape)}")
+    if tile_expert.dim() != 1 or a.shape[0] != tile_expert.shape[0] * tile_m:
+        raise ValueError(f"a must have len(tile_expert) * {tile_m} = {tile_expert.shape[0] * tile_m} rows, got "
+                         f"{a.shape[0]}")
+    if width % 8:
+        raise ValueError(f"the SiTU width (I = {width}) must be a multiple of 8 (16-byte rows of h)")
+    _check({"a": a, "w": w}, tile_expert, tile_expert.shape[0], SITU_CONFIG)
+    if row_scale is None:
+        return None
+    if row_scale.shape != (a.shape[0],) or row_scale.device != a.device:
+        raise ValueError(f"row_scale must be [{a.shape[0]}] on {a.device}, got {tuple(row_scale.shape)} on "
+                         f"{row_scale.device}")
+    return row_scale.float().contiguous()
+
+
+def _situ_call(fn, name: str, shape: str, *args) -> None:
+    """Runs a SiTU entry point of the library (workspace query first) on torch's current stream."""
+    device = args[0].device
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    ws_bytes = fn(*ptrs, None, 0, sm_count, None)
+    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
+    status = fn(*ptrs, workspace.data_ptr(), ws_bytes, sm_count, torch.cuda.current_stream(device).cuda_stream)
+    if status:
+        raise RuntimeError(f"{name} {shape}: failed at {_STEPS.get(status, status)}")
+
+
+def expert_tiled_situ_forward(x: torch.Tensor, w13: torch.Tensor, tile_expert: torch.Tensor,
+                              row_scale: torch.Tensor | None = None, beta: float = 4.0,
+                              linear_beta: float = 25.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pre, h): pre = x @ w13[e]ᵀ tile by tile (``expert_tiled_mm`` on configuration ``SITU_CONFIG``) and
+    h[m, j] = s_m · SiTU(pre[m, 2j], pre[m, 2j + 1]) from the product's fp32 accumulators, in its epilogue.
+
+    x [capacity · 64, ℓ] bf16; w13 [G, 2I, ℓ] bf16 with interleaved rows (2j: gate_j, 2j + 1: up_j), both
+    contiguous; tile_expert [capacity] int32; row_scale [M] (fp32 or bf16) or None (1) → pre [M, 2I], h [M, I] bf16;
+    padding rows and tiles past the last group are unspecified."""
+    G, two_i, ell = w13.shape
+    s = _situ_operands(x, w13, tile_expert, row_scale, two_i // 2)
+    if x.shape[1] != ell or two_i % 2:
+        raise ValueError(f"x [M, {x.shape[1]}] and w13 {tuple(w13.shape)}: need w13 [G, 2I, {x.shape[1]}]")
+    M = x.shape[0]
+    pre, h = x.new_empty(M, two_i), x.new_empty(M, two_i // 2)
+    if M:
+        _situ_call(_load().k3gg_situ_forward, "expert-tiled W13 + SiTU", f"G={G} M={M} N={two_i} K={ell}",
+                   x, w13, pre, h, tile_expert, G, M, two_i, ell, s, float(beta), float(linear_beta))
+    return pre, h
+
+
+def expert_tiled_situ_backward(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, tile_expert: torch.Tensor,
+                               row_scale: torch.Tensor | None = None, beta: float = 4.0, linear_beta: float = 25.0
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d_pre, ds): with dh = dy @ w2[e] tile by tile (the W2 dgrad, kept in the epilogue's fp32 accumulators),
+    (d_pre[m, 2j], d_pre[m, 2j + 1]) = s_m · dh[m, j] · ∇SiTU(pre[m, 2j], pre[m, 2j + 1]) and
+    ds[m] = Σ_j dh[m, j] · SiTU(pre[m, 2j], pre[m, 2j + 1]), the gradient of row_scale (None without one).
+
+    dy [capacity · 64, ℓ], w2 [G, ℓ, I] and pre [M, 2I] (``expert_tiled_situ_forward``'s) bf16 contiguous →
+    d_pre [M, 2I] bf16 (interleaved as pre), ds [M] fp32; padding rows and tiles past the last group unspecified."""
+    G, ell, width = w2.shape
+    s = _situ_operands(dy, w2, tile_expert, row_scale, width)
+    M = dy.shape[0]
+    if dy.shape[1] != ell or pre.shape != (M, 2 * width) or pre.dtype != torch.bfloat16 or not pre.is_contiguous():
+        raise ValueError(f"dy {tuple(dy.shape)}, w2 {tuple(w2.shape)}, pre {tuple(pre.shape)} {pre.dtype}: need dy "
+                         f"[M, {ell}] and a contiguous bf16 pre [M, {2 * width}]")
+    d_pre = pre.new_empty(M, 2 * width)
+    ds = None if s is None else (torch.zeros if width > CONFIGS[SITU_CONFIG].tile[1] else torch.empty)(
+        M, dtype=torch.float32, device=dy.device)  # summed over N tiles where there are several
+    if M:
+        _situ_call(_load().k3gg_situ_backward, "expert-tiled W2 dgrad + SiTU backward",
+                   f"G={G} M={M} N={width} K={ell}", dy, w2, pre, d_pre, tile_expert, G, M, width, ell, s,
+                   0 if ds is None else ds, float(beta), float(linear_beta))
+    return d_pre, ds
+
+
+def expert_tiled_situ_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tile_expert: torch.Tensor,
+                                dy: torch.Tensor, row_scale: torch.Tensor | None = None, beta: float = 4.0,
+                                linear_beta: float = 25.0) -> dict[str, torch.Tensor]:
+    """What the two SiTU products compute, in fp32 plain torch (any device; padding tiles give 0): "pre" and "h" of
+    ``expert_tiled_situ_forward``, and "d_pre" and "ds" of ``expert_tiled_situ_backward`` at dy and that pre
+    rounded to bf16 (what the backward reads)."""
+    tile_m = CONFIGS[SITU_CONFIG].tile[0]
+    s = torch.ones(x.shape[0], device=x.device) if row_scale is None else row_scale.float()
+    pre = expert_tiled_mm_reference(x.float(), w13.float().transpose(1, 2), tile_expert, tile_m)
+    h = situ_reference.situ_forward(pre[:, 0::2], pre[:, 1::2], beta, linear_beta, s)
+    pre_read = pre.bfloat16().float()
+    gate, up = pre_read[:, 0::2], pre_read[:, 1::2]
+    dh = expert_tiled_mm_reference(dy.float(), w2.float(), tile_expert, tile_m)
+    d_gate, d_up = situ_reference.situ_backward(gate, up, dh * s.unsqueeze(1), beta, linear_beta)
+    ds = (dh * situ_reference.situ_forward(gate, up, beta, linear_beta)).sum(1)
+    return {"pre": pre, "h": h, "d_pre": torch.stack((d_gate, d_up), 2).flatten(1), "ds": ds}
+
+
 @torch.library.custom_op("k3::grouped_mm_sm90", mutates_args=())
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, groups: torch.Tensor, config: int, tiled: bool) -> torch.Tensor:
     """``grouped_mm`` (``groups`` = offsets) or, ``tiled``, ``expert_tiled_mm`` (``groups`` = tile_expert)."""
@@ -336,3 +455,42 @@ def _grouped_wgrad_fake(g, x, offsets, config):
 def grouped_wgrad_op(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
     """``grouped_wgrad`` as the custom op ``k3::grouped_wgrad_sm90``: what compiled graphs call."""
     return _grouped_wgrad_op(g, x, offsets, config)
+
+
+@torch.library.custom_op("k3::situ_forward_sm90", mutates_args=())
+def _situ_forward_op(x: torch.Tensor, w13: torch.Tensor, tile_expert: torch.Tensor, row_scale: torch.Tensor | None,
+                     beta: float, linear_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return expert_tiled_situ_forward(x, w13, tile_expert, row_scale, beta, linear_beta)
+
+
+@_situ_forward_op.register_fake
+def _situ_forward_fake(x, w13, tile_expert, row_scale, beta, linear_beta):
+    return x.new_empty(x.shape[0], w13.shape[1]), x.new_empty(x.shape[0], w13.shape[1] // 2)
+
+
+@torch.library.custom_op("k3::situ_backward_sm90", mutates_args=())
+def _situ_backward_op(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, tile_expert: torch.Tensor,
+                      row_scale: torch.Tensor | None, beta: float, linear_beta: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    d_pre, ds = expert_tiled_situ_backward(dy, w2, pre, tile_expert, row_scale, beta, linear_beta)
+    return d_pre, dy.new_empty(0, dtype=torch.float32) if ds is None else ds
+
+
+@_situ_backward_op.register_fake
+def _situ_backward_fake(dy, w2, pre, tile_expert, row_scale, beta, linear_beta):
+    return pre.new_empty(pre.shape), dy.new_empty(0 if row_scale is None else dy.shape[0], dtype=torch.float32)
+
+
+def expert_tiled_situ_forward_op(x: torch.Tensor, w13: torch.Tensor, tile_expert: torch.Tensor,
+                                 row_scale: torch.Tensor | None, beta: float,
+                                 linear_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_tiled_situ_forward`` as the custom op ``k3::situ_forward_sm90``: what compiled graphs call."""
+    return _situ_forward_op(x, w13, tile_expert, row_scale, float(beta), float(linear_beta))
+
+
+def expert_tiled_situ_backward_op(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, tile_expert: torch.Tensor,
+                                  row_scale: torch.Tensor | None, beta: float,
+                                  linear_beta: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``expert_tiled_situ_backward`` as the custom op ``k3::situ_backward_sm90`` (ds None without row_scale)."""
+    d_pre, ds = _situ_backward_op(dy, w2, pre, tile_expert, row_scale, float(beta), float(linear_beta))
+    return d_pre, None if row_scale is None else ds

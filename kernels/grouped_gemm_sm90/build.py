@@ -6,7 +6,8 @@
 DIR holds CUTLASS's ``include/`` and ``tools/util/include/`` (a CUTLASS checkout, or the installed
 ``cutlass_library/source``). The library links the CUDA runtime as a shared library, the one torch loads.
 Building takes ~3 minutes on two cores (five kernel configurations: grouped in three modes, plain batched,
-and expert-tiled in two B layouts where the cluster is one CTA).
+and expert-tiled in two B layouts where the cluster is one CTA; and configuration 1's two products with SiTU in
+their epilogues, ``situ_epilogue.cuh``, included by ``grouped_gemm.cu``).
 """
 
 from __future__ import annotations

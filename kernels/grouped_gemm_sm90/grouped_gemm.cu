@@ -8,17 +8,22 @@
 //   2 wgrad    D_e = A[rows of e]^T @ B[rows of e]  A [M, O], B [M, N] row-major, D [G, O, N]: K = the group's
 //                                                  rows (ragged; a group without rows gets D_e = 0)
 //
+// The expert-tiled products (rows padded per group to the tile, ExpertTileScheduler below) also come with SiTU-GLU in
+// the epilogues of configuration 1's W13 forward and W2 dgrad (situ_epilogue.cuh).
+//
 // Built as a plain shared library (kernels/grouped_gemm_sm90/build.py) and called through ctypes on the
 // caller's stream: one small kernel writes the per-group pointers, strides and shapes into a caller-owned
 // buffer from the device offsets (no host read), then the CUTLASS kernel runs. Nothing allocates or
 // synchronises, so the call can be captured in a CUDA graph.
 
 #include <cstdint>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/dispatch_policy.hpp>
@@ -166,6 +171,13 @@ int launch(typename Gemm::Arguments const& args, void* workspace, size_t workspa
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 4;
   if (gemm.run(stream) != cutlass::Status::kSuccess) return 5;
   return cudaGetLastError() == cudaSuccess ? 0 : 6;
+}
+
+// Workspace bytes of G (workspace == nullptr), or G run on make_args() with the usual status codes.
+template <class G, class MakeArgs>
+int64_t workspace_or_run(MakeArgs make_args, void* workspace, size_t workspace_size, cudaStream_t stream) {
+  if (workspace == nullptr) return G::Gemm::get_workspace_size(make_args());
+  return launch<typename G::Gemm>(make_args(), workspace, workspace_size, stream);
 }
 
 template <class G>
@@ -389,16 +401,17 @@ int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int*
   } else {
     auto call = [&](auto g) -> int64_t {
       using G = decltype(g);
-      if (workspace == nullptr)
-        return G::Gemm::get_workspace_size(G::arguments(nullptr, nullptr, nullptr, nullptr, groups, M, N, K, sm_count));
-      return launch<typename G::Gemm>(G::arguments(a, b, d, tile_expert, groups, M, N, K, sm_count), workspace,
-                                      workspace_size, stream);
+      return workspace_or_run<G>([&] { return G::arguments(a, b, d, tile_expert, groups, M, N, K, sm_count); },
+                                 workspace, workspace_size, stream);
     };
     if (mode == 0) return call(ExpertTiledGemm<PingPong, TileM, TileN, TileK, 0>{});
     if (mode == 1) return call(ExpertTiledGemm<PingPong, TileM, TileN, TileK, 1>{});
     return -1;
   }
 }
+
+// SiTU-GLU in the epilogues of configuration 1's expert-tiled products (SituForwardGemm, SituBackwardGemm).
+#include "situ_epilogue.cuh"
 
 // The configurations this library holds, by index (grouped_gemm_sm90.CONFIGS lists the same, in order).
 #define K3_CONFIGS(X)                  \
@@ -501,6 +514,30 @@ int k3gg_expert_tiled_run(int config, int mode, const void* a, const void* b, vo
   K3_CONFIGS(K3_CASE)
 #undef K3_CASE
   return -1;
+}
+
+// SiTU in configuration 1's expert-tiled products (situ_epilogue.cuh): workspace bytes when workspace is null, else
+// the run's status. Forward: x [M, K] @ w13 [G, N, K]^T (rows interleaved gate/up) -> pre [M, N] and h [M, N/2].
+// Backward: dy [M, K] @ w2 [G, K, N] -> d_pre [M, 2N] from pre [M, 2N] (both bf16 pairs) and ds [M] (or null).
+// row_scale [M] fp32 or null (1).
+int64_t k3gg_situ_forward(const void* x, const void* w13, void* pre, void* h, const int* tile_expert, int groups,
+                          int M, int N, int K, const float* row_scale, float beta, float linear_beta, void* workspace,
+                          size_t workspace_size, int sm_count, void* stream) {
+  auto make_args = [&] {
+    return SituForwardGemm::arguments(x, w13, pre, h, tile_expert, groups, M, N, K, sm_count, row_scale,
+                                      {beta, linear_beta});
+  };
+  return workspace_or_run<SituForwardGemm>(make_args, workspace, workspace_size, static_cast<cudaStream_t>(stream));
+}
+
+int64_t k3gg_situ_backward(const void* dy, const void* w2, const void* pre, void* d_pre, const int* tile_expert,
+                           int groups, int M, int N, int K, const float* row_scale, float* ds, float beta,
+                           float linear_beta, void* workspace, size_t workspace_size, int sm_count, void* stream) {
+  auto make_args = [&] {
+    return SituBackwardGemm::arguments(dy, w2, pre, d_pre, tile_expert, groups, M, N, K, sm_count, row_scale, ds,
+                                       {beta, linear_beta});
+  };
+  return workspace_or_run<SituBackwardGemm>(make_args, workspace, workspace_size, static_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"

@@ -160,6 +160,70 @@ def test_expert_tiled_matches_torch_grouped_mm(config, layout):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
+def _situ_case(seed: int, width: int, scaled: bool, device: str, groups: int = 16, K: int = 512):
+    """Padded rows of uneven groups (zero padding rows), interleaved W13, W2, dy and row scales (0 on padding
+    rows, as the dispatcher gives) for the SiTU products; bf16 operands on ``device``; and the rows in use."""
+    counts = _uneven_counts(seed, groups=groups)
+    offsets = counts.cumsum(0).to(torch.int32)
+    M = int(counts.sum())
+    gen = torch.Generator().manual_seed(seed)
+    cap = gg.capacity_tiles(M, groups, 64)
+    row_dest, tile_expert = gg.expert_tiles(offsets, M, 64, cap)
+    x = torch.zeros(cap * 64, K).index_copy_(0, row_dest, torch.randn(M, K, generator=gen))
+    s = torch.zeros(cap * 64).index_copy_(0, row_dest, torch.rand(M, generator=gen)) if scaled else None
+    w13 = torch.randn(groups, 2 * width, K, generator=gen) * 0.08  # pre-activations of a few units: SiTU's curved part
+    w2 = torch.randn(groups, K, width, generator=gen) * 0.05
+    dy = torch.randn(cap * 64, K, generator=gen)
+    bf = lambda t: None if t is None else t.to(device, torch.bfloat16)  # noqa: E731
+    return (bf(x), bf(w13), bf(w2), tile_expert.to(device), bf(dy), None if s is None else s.to(device)), row_dest.to(device)
+
+
+def test_situ_reference_backward_is_the_forward_gradient():
+    """The SiTU products' reference: d_pre and ds equal autograd's gradient of Σ dh·h through the reference forward
+    (in fp32, at pre-activations that are already bf16 values), so the kernels are checked against a reference
+    that is itself consistent."""
+    (x, w13, w2, tile_expert, dy, s), rows = _situ_case(3, 24, True, "cpu", groups=6, K=32)
+    x, w13, w2, dy = (t.float() for t in (x, w13, w2, dy))
+    w13 = w13.bfloat16().float()
+    ref = gg.expert_tiled_situ_reference(x, w13, w2, tile_expert, dy, s)
+    pre = ref["pre"].bfloat16().float().requires_grad_()
+    scale = s.clone().requires_grad_()
+    from kernels.situ.reference import situ_forward
+    h = situ_forward(pre[:, 0::2], pre[:, 1::2], row_scale=scale)
+    dh = gg.expert_tiled_mm_reference(dy, w2, tile_expert, 64)
+    d_pre, ds = torch.autograd.grad((h * dh).sum(), (pre, scale))
+    torch.testing.assert_close(ref["d_pre"][rows], d_pre[rows], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref["ds"][rows], ds[rows], rtol=1e-5, atol=1e-5)
+    assert d_pre[rows].abs().max() > 0 and ds[rows].abs().max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gg.available(), reason="needs an sm_90 GPU and the built library (kernels.grouped_gemm_sm90.build)")
+@pytest.mark.parametrize("width", [256, 512])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_situ_products_match_reference(width, scaled):
+    """W13 + SiTU and W2 dgrad + SiTU's backward in the expert-tiled epilogues, on the rows in use: pre equals the
+    plain expert-tiled product bit for bit; h, d_pre and ds match the fp32 reference (at I = 512 the W2 dgrad has
+    two N tiles, so ds is summed over tiles)."""
+    (x, w13, w2, tile_expert, dy, s), rows = _situ_case(40 + width, width, scaled, "cuda")
+    pre, h = gg.expert_tiled_situ_forward(x, w13, tile_expert, s)
+    d_pre, ds = gg.expert_tiled_situ_backward(dy, w2, pre, tile_expert, s)
+    ref = gg.expert_tiled_situ_reference(x, w13, w2, tile_expert, dy, s)
+    plain = gg.expert_tiled_mm(x, w13.transpose(1, 2), tile_expert, gg.SITU_CONFIG)
+    assert torch.equal(pre[rows], plain[rows])
+    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+    # bf16 outputs (2^-9 relative rounding) from tanh.approx (2^-11): about 2e-3 in Frobenius norm
+    assert rel(h[rows], ref["h"][rows]) < 4e-3, rel(h[rows], ref["h"][rows])
+    assert rel(d_pre[rows], ref["d_pre"][rows]) < 4e-3, rel(d_pre[rows], ref["d_pre"][rows])
+    assert (h[rows].float() - ref["h"][rows]).abs().max() < 2e-2 * float(ref["h"][rows].abs().max())
+    if scaled:
+        assert rel(ds[rows], ref["ds"][rows]) < 2e-3, rel(ds[rows], ref["ds"][rows])
+    else:
+        assert ds is None
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gg.expert_tiled_situ_forward(x, w13[:, :20].contiguous(), tile_expert, s)
+
+
 def test_routed_experts_grouped_gemm_names():
     """RoutedExperts.grouped_gemm: torch by default, CUTLASS configurations by index (forward and dgrad, then
     optionally the wgrad), expert-tiled ones with their row tile; a bad name fails in the forward, naming the
