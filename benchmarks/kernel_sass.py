@@ -64,7 +64,8 @@ def compile_kernel(kernel, types: dict[str, str], constexprs: dict, num_warps: i
 
 
 def situ_rows(arch: int) -> list[dict]:
-    """SiTU-GLU forward and backward at the GPU launch config, bf16 and fp32 tensors."""
+    """SiTU-GLU forward and backward at the GPU launch config, bf16 and fp32 tensors, on interleaved (gate, up)
+    pairs (``PAIRS``: the routed experts' layout)."""
     block_n = situ.GPU_MAX_BLOCK_N
     block_m, warps = situ.GPU_BLOCK_ELEMS // block_n, situ.GPU_NUM_WARPS
     per_thread = block_m * block_n / (warps * 32)
@@ -73,8 +74,8 @@ def situ_rows(arch: int) -> list[dict]:
         for name, kernel in (("situ fwd", situ._situ_fwd_kernel), ("situ bwd", situ._situ_bwd_kernel)):
             types = {arg: ("i32" if arg in ("M", "I") or arg.startswith("stride") else
                            "fp32" if "beta" in arg else f"*{dtype}") for arg in kernel.arg_names
-                     if arg not in ("BLOCK_M", "BLOCK_N")}
-            r = compile_kernel(kernel, types, {"BLOCK_M": block_m, "BLOCK_N": block_n}, warps, arch)
+                     if arg not in ("BLOCK_M", "BLOCK_N", "PAIRS")}
+            r = compile_kernel(kernel, types, {"BLOCK_M": block_m, "BLOCK_N": block_n, "PAIRS": True}, warps, arch)
             rows.append({"kernel": name, "dtype": dtype, "tile": f"{block_m}x{block_n}x{warps}w", **r,
                          "instructions_per_element": r["instructions"] / per_thread})
     return rows

@@ -18,7 +18,7 @@ from kernels.moe_permute import combine_rows, dispatch_rows
 from kernels.moe_plan import routing_plan
 from kernels.short_conv import causal_conv_with_resets
 from kernels.rms_norm import rms_norm
-from kernels.situ import situ_glu, situ_glu_packed
+from kernels.situ import situ_glu, situ_glu_interleaved
 
 
 class _OpsSeen(TorchDispatchMode):
@@ -84,8 +84,8 @@ def _cases():
     return {
         "situ_glu": (lambda a, b: situ_glu(a, b, backend="triton"), (r(2, 3, 16), r(2, 3, 16)),
                      "_SiTUGLU", "k3.situ_glu"),
-        "situ_glu_packed": (lambda a: situ_glu_packed(a, backend="triton"), (r(2, 3, 32),),
-                            "_SiTUGLUPacked", "k3.situ_glu_packed"),
+        "situ_glu_interleaved": (lambda a: situ_glu_interleaved(a, backend="triton"), (r(2, 3, 32),),
+                                 "_SiTUGLUInterleaved", "k3.situ_glu_interleaved"),
         "short_conv": (lambda x, w: causal_conv_with_resets(x, w, pos, backend="triton"), (r(1, 8, 24), r(24, 1, 4)),
                        "_CausalConvWithResets", "k3.short_conv"),
         "attn_res": (lambda a, b, q, gain: attn_res_aggregate([a, b], q, gain, backend="triton"),
