@@ -61,11 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3train.config.load import load_config  # noqa: E402
 from k3train.convert.convert import export_hf, load_weights  # noqa: E402
-from k3train.convert.dist_checkpoint import stored_shape, write_model_checkpoint  # noqa: E402
+from k3train.convert.dist_checkpoint import write_model_checkpoint  # noqa: E402
 from k3train.convert.hf_reference import reference_logits  # noqa: E402
 from k3train.convert.mxfp4 import pack_mxfp4, unpack_mxfp4  # noqa: E402
 from k3train.model.k3 import K3Model  # noqa: E402
-from k3train.model.roles import get_role  # noqa: E402
+from k3train.model.roles import get_role, interleave_rows  # noqa: E402
 
 KEPT_FP32 = ("conv1d", ".A_log", ".dt_bias", ".o_norm", ".e_score_correction_bias")  # fp32 in the export
 PAIRS = (("ours32~ref32", "ours32", "ref32"), ("ours16~ref16", "ours16", "ref16"),
@@ -74,7 +74,9 @@ PAIRS = (("ours32~ref32", "ours32", "ref32"), ("ours16~ref16", "ours16", "ref16"
 
 @torch.no_grad()
 def spread_weights_(model: K3Model, seed: int) -> None:
-    """Every tensor random at a scale that keeps activations O(1)."""
+    """Every tensor random at a scale that keeps activations O(1). A row-interleaved stack (the experts' w13) is
+    drawn as its matrices one after another and then interleaved, so a seed gives the same HF tensors (w1, w3)
+    as when w13 was stored blocked."""
     g = torch.Generator().manual_seed(seed)
     for name, t in model.state_dict(keep_vars=True).items():
         if name.endswith("_res.proj"):  # depth-softmax scores of std ~1
@@ -84,7 +86,9 @@ def spread_weights_(model: K3Model, seed: int) -> None:
         elif name.endswith(("norm", "norm.weight")):
             t.normal_(1.0, 0.2, generator=g)
         elif t.dim() >= 2 and not name.endswith("conv1d"):
-            t.normal_(0.0, 0.2 / t.shape[-1] ** 0.5, generator=g)
+            s = getattr(get_role(t), "row_interleave", 1)
+            drawn = t.new_empty(*t.shape[:-2], s, t.shape[-2] // s, t.shape[-1])
+            t.copy_(interleave_rows(drawn.normal_(0.0, 0.2 / t.shape[-1] ** 0.5, generator=g)))
 
 
 @torch.no_grad()
@@ -116,10 +120,8 @@ def build_model(weights: str, model_name: str, seed: int, mxfp4_experts: bool) -
 
 def save_checkpoint(model: K3Model, out: Path) -> Path:
     """``model`` as a weights-only checkpoint of ours (global shapes, the format training writes)."""
-    roles = {n: get_role(p) for n, p in model.named_parameters()}
-    write_model_checkpoint(out, model.cfg, {
-        n: (stored_shape(tuple(t.shape), roles.get(n)), t.dtype, lambda t=t: t.detach().cpu().clone())
-        for n, t in model.state_dict().items()})
+    write_model_checkpoint(out, model.cfg, {n: (tuple(t.shape), t.dtype, lambda t=t: t.detach().cpu().clone())
+                                            for n, t in model.state_dict().items()})
     return out
 
 

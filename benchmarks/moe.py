@@ -50,12 +50,13 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # op_timing, moe_ep (also when imported by a test)
 
 from k3train.config.schema import ModelConfig, ParallelConfig  # noqa: E402
-from k3train.model.mlp import situ_glu  # noqa: E402
 from k3train.model.moe import RoutedExperts, experts_and_combine, grouped_gemm_configs  # noqa: E402
+from k3train.model.roles import interleave_rows  # noqa: E402
 from k3train.model.router import SigmoidRouter  # noqa: E402
 from k3train.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
+from kernels.situ import situ_glu_interleaved  # noqa: E402
 from moe_shapes import add_moe_dims  # noqa: E402
 from op_timing import graph_ms, kernel_ms  # noqa: E402
 
@@ -131,17 +132,20 @@ def megatron_experts(E, k, ell, I, dtype, device):
 
 
 def megatron_stacked(module, get):
-    """(fc1 [E, 2I, l], fc2 [E, l, I]) of a Megatron-Core experts module, through get(param)."""
+    """(fc1 [E, 2I, l] with its rows interleaved as our w13's, fc2 [E, l, I]) of a Megatron-Core experts
+    module, through get(param). Megatron's fc1 holds [gate; up] blocked: row j of the second half is up_j."""
     E, ell = module.num_local_experts, module.config.hidden_size
     if hasattr(module, "weight1"):  # GroupedMLP: expert e computes x @ weight1.view(E, l, 2I)[e]
-        return (get(module.weight1).view(E, ell, -1).transpose(1, 2),
-                get(module.weight2).view(E, -1, ell).transpose(1, 2))
-    if hasattr(module, "local_experts"):  # SequentialMLP
-        pairs = [(m.linear_fc1.weight, m.linear_fc2.weight) for m in module.local_experts]
-    else:  # TEGroupedMLP
-        pairs = [(getattr(module.linear_fc1, f"weight{e}"), getattr(module.linear_fc2, f"weight{e}"))
-                 for e in range(E)]
-    return torch.stack([get(a) for a, _ in pairs]), torch.stack([get(b) for _, b in pairs])
+        fc1 = get(module.weight1).view(E, ell, -1).transpose(1, 2)
+        fc2 = get(module.weight2).view(E, -1, ell).transpose(1, 2)
+    else:
+        if hasattr(module, "local_experts"):  # SequentialMLP
+            pairs = [(m.linear_fc1.weight, m.linear_fc2.weight) for m in module.local_experts]
+        else:  # TEGroupedMLP
+            pairs = [(getattr(module.linear_fc1, f"weight{e}"), getattr(module.linear_fc2, f"weight{e}"))
+                     for e in range(E)]
+        fc1, fc2 = torch.stack([get(a) for a, _ in pairs]), torch.stack([get(b) for _, b in pairs])
+    return interleave_rows(fc1.unflatten(1, (2, -1))), fc2
 
 
 def megatron_fn(module, z, experts, probs):
@@ -315,7 +319,7 @@ def main(argv=None):
         x = torch.randn(M, ell, device=dev, dtype=dt, requires_grad=True)
         a, b = (p[0].detach().clone().requires_grad_(True) for p in (routed.w13, routed.w2))
         d_out = torch.randn(M, ell, device=dev, dtype=dt)
-        timed("any", "dense", lambda: situ_glu(*(x @ a.t()).chunk(2, -1)) @ b.t(), [x, a, b], d_out)
+        timed("any", "dense", lambda: situ_glu_interleaved(x @ a.t()) @ b.t(), [x, a, b], d_out)
         timed("any", "dense_gemm", lambda: (x @ a.t())[:, :I] @ b.t(), [x, a, b], d_out)  # GEMMs alone
         del x, a, b, d_out
         for kind in args.routing.split(","):

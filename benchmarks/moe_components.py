@@ -46,7 +46,7 @@ from kernels.grouped_wgrad import reference as wgrad_reference  # noqa: E402
 from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # noqa: E402
 from kernels.qb_histogram import histogram_add  # noqa: E402
 from kernels.qb_histogram import reference as qb_reference  # noqa: E402
-from kernels.situ import situ_glu_packed, triton_situ  # noqa: E402
+from kernels.situ import situ_glu_interleaved, triton_situ  # noqa: E402
 from moe_shapes import add_moe_dims  # noqa: E402
 from op_timing import graph_ms, median_ms  # noqa: E402
 
@@ -196,7 +196,7 @@ def main() -> None:
         "dispatch": fwd_bwd(lambda: disp.dispatch(z, idx)[0], z),
         "sort+counts": gpu_ms(lambda: counts_of_sorted(stable_sort(flat, E)[0], E)),
         "grouped GEMM W13": fwd_bwd(lambda: grouped_linear(rows, experts.w13, offsets), rows, experts.w13),
-        "SiTU-GLU": fwd_bwd(lambda: situ_glu_packed(gate_up), gate_up),
+        "SiTU-GLU": fwd_bwd(lambda: situ_glu_interleaved(gate_up), gate_up),
         "grouped GEMM W2": fwd_bwd(lambda: grouped_linear(hidden, experts.w2, offsets), hidden, experts.w2),
     }
     times.update(qb_histogram(N, E))
@@ -209,7 +209,7 @@ def main() -> None:
                {"dispatch rows": lambda: fwd_bwd(lambda: dispatch_rows(z, handle.order, handle.inverse, k), z),
                 "combine": lambda: fwd_bwd(lambda: combine_rows(rows, w, handle.order, handle.inverse), rows, w)}),
               (triton_situ, "GPU_BLOCK_ELEMS", args.situ_tiles,
-               {"SiTU-GLU": lambda: fwd_bwd(lambda: situ_glu_packed(gate_up), gate_up)})]
+               {"SiTU-GLU": lambda: fwd_bwd(lambda: situ_glu_interleaved(gate_up), gate_up)})]
     for module, elems_name, tiles, pieces in sweeps:  # the kernels read the tile at each launch
         default_tile = getattr(module, elems_name), module.GPU_NUM_WARPS
         for tile in tiles:

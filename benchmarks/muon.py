@@ -4,7 +4,7 @@
 
 One process, one GPU. Parameters are fp32 (master weights) with random fp32 gradients;
 shapes and roles are K3_SPEC.md §5's bench-1B column, laid out as ``k3train.model`` does
-(fused expert gate|up ``w13`` [E, 2I, ℓ] with TP stride 2, ``w2`` [E, ℓ, I]);
+(fused expert ``w13`` [E, 2I, ℓ] with interleaved gate/up rows, ``w2`` [E, ℓ, I]);
 ``--check-model`` compares the table with ``K3Model`` built on the meta device.
 
 Prints, then writes as JSON:
@@ -101,7 +101,7 @@ def bench_1b_params(small: bool = False) -> list[tuple[str, tuple[int, ...], Par
                     (f + "shared_experts.gate_proj", (shared, d), ParamRole(M, tp_partition_dim=0)),
                     (f + "shared_experts.up_proj", (shared, d), ParamRole(M, tp_partition_dim=0)),
                     (f + "shared_experts.down_proj", (d, shared), ParamRole(M, tp_partition_dim=1)),
-                    (f + "experts.w13", (E, 2 * I, ell), ParamRole(EXP, tp_partition_dim=1, tp_partition_stride=2)),
+                    (f + "experts.w13", (E, 2 * I, ell), ParamRole(EXP, tp_partition_dim=1, row_interleave=2)),
                     (f + "experts.w2", (E, ell, I), ParamRole(EXP, tp_partition_dim=2))]
     return out
 

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from k3train.config.schema import ModelConfig
-from k3train.convert.dist_checkpoint import DistCheckpoint, stored_shape, write_model_checkpoint
+from k3train.convert.dist_checkpoint import DistCheckpoint, write_model_checkpoint
 from k3train.convert.hf_config import (HFConfigError, experts_format, hf_config, model_config_from_hf,
                                        read_hf_config)
 from k3train.convert.hf_layout import (LayoutError, Mapping, TensorSpec, build_mappings, check_spec, from_hf,
@@ -70,15 +70,6 @@ def hf_plan(cfg: ModelConfig, experts: str, dtype: torch.dtype = torch.bfloat16)
 
 def _progress(total: int, desc: str, show: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not show, mininterval=1.0)
-
-
-def _role_of(cfg: ModelConfig) -> dict:
-    from k3train.model.k3 import K3Model
-    from k3train.model.roles import get_role
-
-    with torch.device("meta"):
-        model = K3Model(cfg, linear_backend="torch")
-    return {n: get_role(t) for n, t in model.named_parameters()}
 
 
 def export_hf(checkpoint: Path, out: Path, experts: str = "bf16", dtype: torch.dtype = torch.bfloat16,
@@ -147,9 +138,7 @@ def import_hf(hf: Path, out: Path, progress: bool = True) -> ModelConfig:
         bar.update(spec.nbytes)
         return t
 
-    roles = _role_of(cfg)
-    tensors = {m.ours: (stored_shape(m.our_shape, roles.get(m.ours)), torch.float32,
-                        lambda m=m: from_hf(m, get)) for m in mappings}
+    tensors = {m.ours: (m.our_shape, torch.float32, lambda m=m: from_hf(m, get)) for m in mappings}
     total = sum(s.nbytes for s in expected.values())
     with atomic_dir(out) as tmp, _progress(total, "from-hf", progress) as bar:
         write_model_checkpoint(tmp, cfg, tensors, {"source": f"hf:{hf.resolve()}"})

@@ -1,9 +1,8 @@
 """Our Megatron-Core ``torch_dist`` checkpoints, one tensor at a time, without process groups.
 
 ``k3train.training.checkpoint`` stores every model tensor as ``model.<name>`` with its *global*
-shape (a TP-strided dim such as the experts' [gate; up] rows as an extra axis), so a tensor
-reads the same whatever TP/DP layout wrote it: ``DistCheckpoint.read`` loads one through
-``torch.distributed.checkpoint`` (``no_dist``) and returns it in the model's shape.
+shape, so a tensor reads the same whatever TP/DP layout wrote it: ``DistCheckpoint.read`` loads
+one through ``torch.distributed.checkpoint`` (``no_dist``) and returns it in the model's shape.
 
 ``write_model_checkpoint`` writes a weights-only checkpoint in the same format: the tensors are
 produced lazily, one at a time, while the writer streams them to disk (bounded memory), and
@@ -91,15 +90,6 @@ class DistCheckpoint:
         return self.read_many([(name, shape)])[name]
 
 
-def stored_shape(shape: tuple[int, ...], role) -> tuple[int, ...]:
-    """The global shape training stores: a dim interleaving ``stride`` matrices gets its own axis."""
-    dim = role.tp_partition_dim if role is not None else None
-    if dim is None or role.tp_partition_stride == 1:
-        return shape
-    s = role.tp_partition_stride
-    return (*shape[:dim], s, shape[dim] // s, *shape[dim + 1:])
-
-
 class _LazySavePlanner(DefaultSavePlanner):
     """Plans from meta tensors; ``resolve_data`` asks the producer for the real tensor only when
     the writer reaches it (one tensor in memory at a time)."""
@@ -123,10 +113,10 @@ class _LazySavePlanner(DefaultSavePlanner):
 def write_model_checkpoint(out: Path, cfg: ModelConfig, tensors: dict[str, tuple[tuple[int, ...], torch.dtype,
                                                                                    Callable[[], torch.Tensor]]],
                            extra_common: dict | None = None) -> None:
-    """Weights-only checkpoint into the empty folder ``out``; ``tensors``: name → (stored shape, dtype,
-    producer). The producer's tensor is reshaped to the stored shape."""
+    """Weights-only checkpoint into the empty folder ``out``; ``tensors``: name → (the model's shape, dtype,
+    producer of the tensor in that shape and the model's layout)."""
     meta = {KEY_PREFIX + n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype, _) in tensors.items()}
-    producers = {KEY_PREFIX + n: (lambda f=f, s=shape: f().reshape(s)) for n, (shape, _, f) in tensors.items()}
+    producers = {KEY_PREFIX + n: f for n, (_, _, f) in tensors.items()}
     with warnings.catch_warnings():  # no process group: intended
         warnings.simplefilter("ignore", UserWarning)
         try:

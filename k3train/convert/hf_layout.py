@@ -10,8 +10,9 @@ Rules (each both ways):
 - names: ``language_model.model.`` prefix (the LM head is ``language_model.lm_head``),
   ``mlp.`` → ``block_sparse_moe.`` on MoE layers, ``kv_a_proj`` → ``kv_a_proj_with_mqa``,
   AttnRes ``X_res.proj``/``X_res.norm`` → ``X_res_proj.weight``/``X_res_norm.weight``;
-- experts: our stacked ``w13`` (gate rows, then up rows) splits into per-expert ``w1`` (gate) and
-  ``w3`` (up); ``w2`` [E, ℓ, I] into per-expert ``w2`` [ℓ, I];
+- experts: our stacked ``w13`` (rows interleaved: row 2j = gate_j, row 2j + 1 = up_j) splits into
+  per-expert ``w1`` (gate) = rows 0::2 and ``w3`` (up) = rows 1::2, and import interleaves them
+  again; ``w2`` [E, ℓ, I] into per-expert ``w2`` [ℓ, I];
 - ``A_log`` [H] is padded with zeros to a multiple of 128 (96 → 128 in K3); on import the tail
   must be zero and is dropped;
 - dtypes: the short convs, ``A_log``, ``dt_bias``, ``o_norm`` and the router bias are fp32, the
@@ -32,6 +33,7 @@ import torch
 
 from k3train.config.schema import ModelConfig
 from k3train.convert.mxfp4 import pack_mxfp4, unpack_mxfp4
+from k3train.model.roles import interleave_rows
 
 PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
@@ -178,12 +180,12 @@ def pack_mxfp4_canonical(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _expert_matrices(m: Mapping, t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Per-expert matrices in HF order: w13 → (w1_0, w3_0, w1_1, ...); w2 → (w2_0, w2_1, ...)."""
+    """Per-expert matrices in HF order: w13 → (w1_0, w3_0, w1_1, ...) with w1_e = w13[e, 0::2] (gate) and
+    w3_e = w13[e, 1::2] (up); w2 → (w2_0, w2_1, ...)."""
     for e in range(t.shape[0]):
         if m.kind == "w13":
-            gate, up = t[e].chunk(2, dim=0)
-            yield gate
-            yield up
+            yield t[e, 0::2]
+            yield t[e, 1::2]
         else:
             yield t[e]
 
@@ -215,8 +217,8 @@ def from_hf(m: Mapping, get: Callable[[TensorSpec], torch.Tensor], dtype: torch.
     else:
         mats = [unpack_mxfp4(get(p), get(s), dtype=torch.float32, backend="torch").to(dtype)
                 for p, s in zip(m.hf[0::2], m.hf[1::2])]
-    if m.kind == "w13":
-        return torch.stack([torch.cat(mats[i:i + 2], dim=0) for i in range(0, len(mats), 2)])
+    if m.kind == "w13":  # (w1_0, w3_0, w1_1, ...) → [E, 2, I, ℓ] → rows interleaved
+        return interleave_rows(torch.stack(mats).unflatten(0, (-1, 2)))
     return torch.stack(mats)
 
 

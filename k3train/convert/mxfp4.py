@@ -13,13 +13,15 @@ MXFP4 weight fake quant used for QAT (``k3train.precision.mx_qat`` defaults), so
 QAT-trained expert ships without any further rounding.
 
 HF names: ``{prefix}.experts.{e}.{w1,w3,w2}.{weight_packed,weight_scale}``, w1 = gate,
-w3 = up, w2 = down; our stacked ``w13`` [E, 2I, ℓ] holds gate rows then up rows.
+w3 = up, w2 = down; our stacked ``w13`` [E, 2I, ℓ] interleaves them: row 2j = w1's row j, row 2j + 1 =
+w3's row j (so w1 = rows 0::2, w3 = rows 1::2).
 """
 
 from __future__ import annotations
 
 import torch
 
+from k3train.model.roles import interleave_rows
 from kernels.mx import mx_dequantize, mx_quantize
 
 __all__ = ["pack_mxfp4", "unpack_mxfp4", "export_routed_experts", "import_routed_experts",
@@ -50,16 +52,15 @@ def unpack_mxfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
 
 def export_routed_experts(w13: torch.Tensor, w2: torch.Tensor, prefix: str,
                           backend: str = "auto") -> dict[str, torch.Tensor]:
-    """Stacked expert weights (w13 [E, 2I, ℓ], w2 [E, ℓ, I]) -> HF MXFP4 tensors."""
+    """Stacked expert weights (w13 [E, 2I, ℓ] with interleaved gate/up rows, w2 [E, ℓ, I]) -> HF MXFP4 tensors."""
     if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0] or w13.shape[1] % 2 \
             or w13.shape[1] // 2 != w2.shape[2] or w13.shape[2] != w2.shape[1]:
         raise ValueError(f"export_routed_experts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
                          f"are not [E, 2I, l] and [E, l, I]")
-    inter = w13.shape[1] // 2
     out: dict[str, torch.Tensor] = {}
     for e in range(w13.shape[0]):
-        for name, w in (("w1", w13[e, :inter]), ("w3", w13[e, inter:]), ("w2", w2[e])):
-            packed, scale = pack_mxfp4(w, backend=backend)
+        for name, w in (("w1", w13[e, 0::2]), ("w3", w13[e, 1::2]), ("w2", w2[e])):
+            packed, scale = pack_mxfp4(w.contiguous(), backend=backend)
             out[f"{prefix}.experts.{e}.{name}.weight_packed"] = packed
             out[f"{prefix}.experts.{e}.{name}.weight_scale"] = scale
     return out
@@ -67,7 +68,7 @@ def export_routed_experts(w13: torch.Tensor, w2: torch.Tensor, prefix: str,
 
 def import_routed_experts(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int,
                           dtype: torch.dtype = torch.bfloat16, backend: str = "auto"):
-    """HF MXFP4 tensors -> (w13 [E, 2I, ℓ], w2 [E, ℓ, I]) in ``dtype``."""
+    """HF MXFP4 tensors -> (w13 [E, 2I, ℓ] with interleaved gate/up rows, w2 [E, ℓ, I]) in ``dtype``."""
     def get(e, name):
         base = f"{prefix}.experts.{e}.{name}"
         try:
@@ -78,6 +79,6 @@ def import_routed_experts(tensors: dict[str, torch.Tensor], prefix: str, num_exp
 
     w13, w2 = [], []
     for e in range(num_experts):
-        w13.append(torch.cat([get(e, "w1"), get(e, "w3")], dim=0))
+        w13.append(interleave_rows(torch.stack([get(e, "w1"), get(e, "w3")])))
         w2.append(get(e, "w2"))
     return torch.stack(w13), torch.stack(w2)

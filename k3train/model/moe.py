@@ -9,6 +9,10 @@ For the MoE input x [N, d] (after ``post_attention_layernorm``):
 
 Under tensor parallelism each routed expert is split along its width I (W1/W3 rows,
 W2 columns), so u is a partial sum per rank; it is all-reduced *before* the norm.
+
+W1 and W3 are stored fused and interleaved, ``w13`` [E, 2I, ℓ] with row 2j = W1's row j (gate_j) and row
+2j + 1 = W3's row j (up_j), so that z @ w13ᵀ holds (gate_j, up_j) in adjacent columns (a GEMM epilogue can
+apply SiTU per pair) and a TP shard is a contiguous run of pairs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from k3train.model.mlp import SiTUMLP, situ_glu
 from k3train.model.norm import RMSNorm
 from k3train.model.quantile_balancing import QuantileBalancer, update_biases
 from k3train.model.replay import replaying
-from k3train.model.roles import Kind, ParamRole, set_role
+from k3train.model.roles import Kind, ParamRole, interleave_rows, set_role
 from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import token_dispatcher
@@ -36,7 +40,7 @@ from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
 from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
 from kernels.grouped_wgrad import grouped_wgrad
 from kernels.moe_plan import group_offsets
-from kernels.situ import situ_glu_packed
+from kernels.situ import situ_glu_interleaved
 
 
 class GroupedGemm(NamedTuple):
@@ -132,9 +136,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm
 class RoutedExperts(nn.Module):
     """E experts in the latent space, stacked for grouped GEMMs.
 
-    w13: [E_l, 2·I_local, ℓ] (this rank's gate rows, then its up rows); w2: [E_l, ℓ, I_local], for
-    this rank's E_l = E / parallel.expert experts (global ids ep_rank·E_l …); the full stacks are
-    drawn first, so the model is the same at any TP and EP size.
+    w13: [E_l, 2·I_local, ℓ], rows interleaved: row 2j = gate_j (HF's w1 row j), row 2j + 1 = up_j (w3 row
+    j), for this rank's pairs j (a contiguous run: tp_rank·I_local …); w2: [E_l, ℓ, I_local], for this rank's
+    E_l = E / parallel.expert experts (global ids ep_rank·E_l …); the full stacks are drawn first, so the
+    model is the same at any TP and EP size.
     ``weight_fake_quant`` / ``input_fake_quant``: optional callables applied to every expert
     weight and GEMM input (quantization-aware training; None means full precision). ``grouped_gemm``:
     which grouped GEMM runs the forward and dgrad products (``grouped_linear``; "torch" unless set); the
@@ -149,11 +154,10 @@ class RoutedExperts(nn.Module):
         mine = slice(ep_rank * self.num_experts, (ep_rank + 1) * self.num_experts)
         self.width = tp.local(I, "model.moe_intermediate_size")
         self.beta, self.linear_beta = cfg.situ_beta, cfg.situ_linear_beta
-        w13 = torch.empty(E, 2 * I, ell).normal_(0.0, cfg.init_std)[mine]
+        w1_w3 = torch.empty(E, 2, I, ell).normal_(0.0, cfg.init_std)[mine]  # [expert, gate|up, j, ℓ]
         w2 = torch.empty(E, ell, I).normal_(0.0, cfg.init_std)[mine]
-        self.w13 = set_role(nn.Parameter(tp.shard(w13, 1, stride=2).contiguous()),
-                            ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1, tp_partition_stride=2,
-                                      ep_partition_dim=0))
+        self.w13 = set_role(nn.Parameter(tp.shard(interleave_rows(w1_w3), 1).contiguous()),
+                            ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1, row_interleave=2, ep_partition_dim=0))
         self.w2 = set_role(nn.Parameter(tp.shard(w2, 2).contiguous()),
                            ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=2, ep_partition_dim=0))
         self.weight_fake_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -188,9 +192,10 @@ class RoutedExperts(nn.Module):
         ``row_tile`` > 1, each group's count a multiple of it (the padded layout of the dispatcher).
 
         y_m = W2_g · SiTU(W1_g x_m, W3_g x_m) for the group g of row m (times row_weights[m], [M], inside
-        SiTU's pass, where given: the gate weights folded in); two grouped GEMMs. The
-        groups are this rank's experts, or the stacks ``w13`` [G, 2·I_local, ℓ] / ``w2`` [G, ℓ,
-        I_local] the dispatcher gives (its experts plus fetched replicas).
+        SiTU's pass, where given: the gate weights folded in); two grouped GEMMs, the first giving
+        [M, 2·I_local] with (gate_j, up_j) in columns (2j, 2j + 1). The groups are this rank's experts, or the
+        stacks ``w13`` [G, 2·I_local, ℓ] (rows interleaved) / ``w2`` [G, ℓ, I_local] the dispatcher gives (its
+        experts plus fetched replicas).
         """
         w13 = self.w13 if w13 is None else w13
         w2 = self.w2 if w2 is None else w2
@@ -200,8 +205,8 @@ class RoutedExperts(nn.Module):
         tile = self.row_tile
         offsets, tile_expert = group_offsets(tokens_per_expert, tile, x.shape[0] // tile if tile > 1 else 0)
         tile_expert = tile_expert if tile > 1 else None
-        h = situ_glu_packed(grouped_linear(*self._operands(x, w13), offsets, self._gemm, tile_expert),
-                            self.beta, self.linear_beta, row_scale=row_weights)
+        h = situ_glu_interleaved(grouped_linear(*self._operands(x, w13), offsets, self._gemm, tile_expert),
+                                 self.beta, self.linear_beta, row_scale=row_weights)
         return grouped_linear(*self._operands(h, w2), offsets, self._gemm, tile_expert)
 
     def forward_looped(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -219,8 +224,9 @@ class RoutedExperts(nn.Module):
             if count == 0:
                 continue
             xe, w13 = self._operands(x_sorted[start:start + count], self.w13[e])
-            gate, up = (xe @ w13.t()).chunk(2, dim=-1)
-            h, w2 = self._operands(situ_glu(gate, up, self.beta, self.linear_beta), self.w2[e])
+            gate_up = xe @ w13.t()  # columns (gate_0, up_0, gate_1, up_1, ...)
+            h, w2 = self._operands(situ_glu(gate_up[:, 0::2], gate_up[:, 1::2], self.beta, self.linear_beta),
+                                   self.w2[e])
             outputs.append(h @ w2.t())
             start += count
         y = torch.cat(outputs) * weights.flatten()[order].unsqueeze(-1).to(z.dtype)

@@ -44,9 +44,11 @@ class ParamRole:
     head_group: str | None = None
     head_dim: int | None = None
     tp_partition_dim: int | None = None
-    # >1 when the sharded dim interleaves several logical matrices (e.g. gate rows then up
-    # rows): each of the `stride` equal parts is sharded separately, as Megatron's stride.
-    tp_partition_stride: int = 1
+    # s > 1: the rows (dim -2: dim 0 of a MATRIX, the output dim of each expert of an EXPERT_MATRIX)
+    # interleave s logical matrices, row r belonging to matrix r mod s (the experts' fused w13: s = 2,
+    # rows gate_0, up_0, gate_1, up_1, ...). Muon orthogonalizes each matrix on its own; a TP shard
+    # along the rows is a contiguous run of whole groups of s rows, so plain sharding keeps the layout.
+    row_interleave: int = 1
     # The dimension sharded over expert parallelism (the expert dim of a routed-expert stack):
     # gradients are reduced over the expert-data-parallel ranks and norms summed over EP.
     ep_partition_dim: int | None = None
@@ -62,6 +64,17 @@ class ParamRole:
 
 
 ROLE_ATTR = "k3_role"
+
+
+def interleave_rows(parts: torch.Tensor) -> torch.Tensor:
+    """parts [..., s, n, cols] (s matrices of n rows) → [..., s·n, cols] with row s·j + k = row j of
+    matrix k: the layout of a role with ``row_interleave`` = s."""
+    return parts.transpose(-3, -2).flatten(-3, -2)
+
+
+def deinterleave_rows(t: torch.Tensor, s: int) -> torch.Tensor:
+    """Inverse of ``interleave_rows``: t [..., s·n, cols] → [..., s, n, cols], matrix k = rows k::s (a view)."""
+    return t.unflatten(-2, (-1, s)).transpose(-3, -2)
 
 
 def set_role(param: torch.nn.Parameter, role: ParamRole) -> torch.nn.Parameter:

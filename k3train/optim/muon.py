@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from kernels.newton_schulz.muon_passes import apply_update, nesterov_into
 from k3train.optim.newton_schulz import NS_STEPS, default_ns_dtype, muon_update_scale, newton_schulz
-from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params, tp_gather_cat, tp_local_slice
+from k3train.optim.param_groups import MuonSpec, cfg_get, muon_spec, split_params
 from k3train.model.roles import get_role, require_role
 
 __all__ = ["K3Muon", "build_muon"]
@@ -421,7 +421,7 @@ class K3Muon(torch.optim.Optimizer):
         for it in todo:
             n = it.u.numel()
             pieces = [o[off : off + n].view(it.spec.local_shape) for o in out]
-            it.u = tp_gather_cat(pieces, it.spec.gather_dim, it.spec.stride)
+            it.u = torch.cat(pieces, dim=it.spec.gather_dim)
             off += n
 
     def _work_groups(self, items: list[_Item]) -> list[tuple[list[int], Any]]:
@@ -452,12 +452,6 @@ class K3Muon(torch.optim.Optimizer):
             shared[key].sizes.append(nb)
         return buckets
 
-    @staticmethod
-    def _canonical(spec: MuonSpec, t: torch.Tensor) -> torch.Tensor:
-        """A full-shape tensor as [num_blocks, m, n] blocks in wide orientation (a view)."""
-        blocks = spec.blocks(t)
-        return blocks.mT if spec.transposed else blocks
-
     def _fill_stacks(self, items: list[_Item], buckets: list[_Bucket]) -> None:
         """Write every block's NS input into its bucket's contiguous stack (in the NS dtype). For a
         local parameter one pass reads grad and momentum, updates the momentum and writes the
@@ -467,14 +461,17 @@ class K3Muon(torch.optim.Optimizer):
             b.stack = torch.empty((b.num_blocks, *b.shape), dtype=self._ns_dtype(device), device=device)
             start = 0
             for i, nb in zip(b.items, b.sizes):
-                it, dst = items[i], b.stack[start : start + nb]
+                it, stack = items[i], b.stack[start : start + nb]
                 start += nb
+                spec = it.spec
+                dst = spec.split(stack.mT if spec.transposed else stack)  # parameter orientation, a view a matrix
                 if it.u is not None:  # TP-gathered full tensor, momentum already updated
-                    dst.copy_(self._canonical(it.spec, it.u))
+                    for d, u in zip(dst, spec.blocks(it.u)):
+                        d.copy_(u)
                     it.u = None
                     continue
-                nesterov_into(it.spec.blocks(it.grad), it.spec.blocks(it.buf), dst.mT if it.spec.transposed else dst,
-                              it.group["momentum"], it.group["nesterov"], self.elementwise_backend)
+                for g, m, d in zip(spec.blocks(it.grad), spec.blocks(it.buf), dst):
+                    nesterov_into(g, m, d, it.group["momentum"], it.group["nesterov"], self.elementwise_backend)
 
     def _ns_dtype(self, device: torch.device) -> torch.dtype:
         return self.ns_dtype or default_ns_dtype(device)
@@ -542,13 +539,15 @@ class K3Muon(torch.optim.Optimizer):
         squares to ``sumsq``."""
         spec, p, upd = it.spec, it.param, it.update
         if spec.gather_dim is None and p.is_contiguous():
-            apply_update(spec.blocks(p), upd, beta, alpha, sumsq, self.elementwise_backend)
+            for blocks, u in zip(spec.blocks(p), spec.split(upd)):
+                apply_update(blocks, u, beta, alpha, sumsq, self.elementwise_backend)
             return
         full = torch.empty(spec.full_shape, dtype=upd.dtype, device=upd.device)
-        spec.blocks(full).copy_(upd)
+        for blocks, u in zip(spec.blocks(full), spec.split(upd)):
+            blocks.copy_(u)
         if spec.gather_dim is not None:
             tp = self.tp_group
-            full = tp_local_slice(full, spec.gather_dim, _group_rank(tp), _group_size(tp), spec.stride)
+            full = full.chunk(_group_size(tp), dim=spec.gather_dim)[_group_rank(tp)]
         apply_update(_as3d(p), _as3d(full), beta, alpha, sumsq, self.elementwise_backend)
 
 

@@ -17,9 +17,10 @@ sharded on its columns, an expert stack sharded inside a matrix) is all-gathered
 the TP group before orthogonalization, and each rank keeps its slice of the update.
 An expert stack sharded on dim 0 (experts split over ranks) is local.
 
-A role with ``tp_partition_stride`` s > 1 (the fused expert gate|up stack ``w13``) holds s
-logical matrices along its partition dim; each is orthogonalized separately (as the HF
-checkpoint's separate w1 and w3), and the TP gather/slice respects the stride.
+A role with ``row_interleave`` s > 1 (the fused expert stack ``w13``, rows gate_0, up_0, gate_1, ...)
+holds s logical matrices interleaved along its rows: after any TP gather (a TP shard is a contiguous
+run of whole row groups, so the gather is a plain concatenation) rows k::s form matrix k, and each is
+orthogonalized separately (as the HF checkpoint's separate w1 and w3).
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ class MuonSpec:
     num_blocks: int
     block_shape: tuple[int, int]  # [m, n] of one block in the parameter's orientation
     head_dim: Optional[int] = None
-    stride: int = 1  # logical matrices side by side along ``stride_dim`` (e.g. gate | up)
-    stride_dim: Optional[int] = None
+    row_interleave: int = 1  # s logical matrices interleaved along the rows (dim -2): matrix k = rows k::s
 
     @property
     def transposed(self) -> bool:
@@ -59,51 +59,34 @@ class MuonSpec:
         m, n = self.block_shape
         return (n, m) if m > n else (m, n)
 
-    def blocks(self, full: torch.Tensor) -> torch.Tensor:
-        """View a full-shape tensor as [num_blocks, m, n] (parameter orientation; always a view)."""
+    def blocks(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """A full-shape tensor as views [num_blocks / s, m, n] (parameter orientation), one per interleaved
+        matrix k (rows k::s; s = ``row_interleave``): together the num_blocks blocks, matrix-major, the order
+        of ``split``."""
         m, n = self.block_shape
-        s = self.stride
         if self.mode == "per_head":
-            return full.view(self.num_blocks, m, n)
-        if self.mode == "whole":
-            if s == 1:
-                return full.unsqueeze(0)
-            if self.stride_dim == 0:
-                return full.view(s, m, n)
-            return full.view(m, s, n).transpose(0, 1)
-        if s == 1:
-            return full
-        return full.view(full.shape[0] * s, m, n)  # stride on dim 1 of [E, out, in]
+            return [full.view(self.num_blocks, m, n)]
+        s = self.row_interleave
+        parts = [full] if s == 1 else [full[..., k::s, :] for k in range(s)]
+        return [p.unsqueeze(0) for p in parts] if self.mode == "whole" else parts
 
-
-def tp_gather_cat(pieces: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
-    """Full tensor from the TP ranks' shards along ``dim`` (each of ``stride`` parts sharded separately)."""
-    if stride == 1:
-        return torch.cat(pieces, dim=dim)
-    parts = [p.chunk(stride, dim=dim) for p in pieces]
-    return torch.cat([parts[r][k] for k in range(stride) for r in range(len(pieces))], dim=dim)
-
-
-def tp_local_slice(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
-    """This rank's shard of a full tensor (inverse of ``tp_gather_cat``)."""
-    if stride == 1:
-        return full.chunk(size, dim=dim)[rank]
-    return torch.cat([p.chunk(size, dim=dim)[rank] for p in full.chunk(stride, dim=dim)], dim=dim)
+    def split(self, stack: torch.Tensor) -> list[torch.Tensor]:
+        """[num_blocks, ...] (the blocks of ``blocks``, matrix-major) → one [num_blocks / s, ...] view a matrix."""
+        return list(stack.chunk(self.row_interleave)) if self.row_interleave > 1 else [stack]
 
 
 def muon_spec(name: str, param: torch.Tensor, role: ParamRole, per_head_groups, tp_size: int = 1) -> MuonSpec:
     """Plan the Muon blocks of one parameter. Raises ValueError on inconsistent roles.
 
-    A role with ``tp_partition_stride`` s > 1 declares s logical matrices side by side along
-    its partition dim (e.g. an expert's gate rows then up rows); each is orthogonalized on
-    its own, at any TP size.
+    A role with ``row_interleave`` s > 1 declares s logical matrices interleaved along its rows (dim -2; e.g.
+    an expert's gate and up rows in pairs): each is orthogonalized on its own, at any TP size.
     """
     shape = tuple(param.shape)
-    stride = int(getattr(role, "tp_partition_stride", 1) or 1)
-    sdim = role.tp_partition_dim if stride > 1 else None
+    s = role.row_interleave
     tp_dim = role.tp_partition_dim if tp_size > 1 else None
-    if stride > 1 and (sdim is None or shape[sdim] % stride):
-        raise ValueError(f"parameter '{name}': tp_partition_stride={stride} needs a partition dim divisible by it")
+    if s < 1 or (param.ndim >= 2 and shape[-2] % s):
+        raise ValueError(f"parameter '{name}': row_interleave={s} must be >= 1 and divide its {shape[-2]} "
+                         f"local rows (a TP shard holds whole groups of {s} rows)")
     if role.kind == Kind.MATRIX:
         if param.ndim != 2:
             raise ValueError(f"parameter '{name}' has role MATRIX but shape {shape}; a MATRIX must be 2-D")
@@ -112,8 +95,9 @@ def muon_spec(name: str, param: torch.Tensor, role: ParamRole, per_head_groups, 
         per_head = role.head_group is not None and role.head_group in per_head_groups
         if per_head:
             hd = role.head_dim
-            if stride > 1:
-                raise ValueError(f"parameter '{name}': per-head matrices cannot declare tp_partition_stride")
+            if s > 1:
+                raise ValueError(f"parameter '{name}': per-head matrices cannot declare row_interleave={s}; "
+                                 f"drop it or take the matrix out of optim.per_head_groups")
             if hd is None or hd <= 0:
                 raise ValueError(
                     f"parameter '{name}' is in per-head group '{role.head_group}' but declares head_dim={hd}"
@@ -131,11 +115,7 @@ def muon_spec(name: str, param: torch.Tensor, role: ParamRole, per_head_groups, 
         full = list(shape)
         if tp_dim is not None:
             full[tp_dim] *= tp_size
-        block = list(full)
-        if stride > 1:
-            block[sdim] //= stride
-        return MuonSpec(name, "whole", shape, tp_dim, tuple(full), stride, (block[0], block[1]),
-                        stride=stride, stride_dim=sdim)
+        return MuonSpec(name, "whole", shape, tp_dim, tuple(full), s, (full[0] // s, full[1]), row_interleave=s)
     if role.kind == Kind.EXPERT_MATRIX:
         if param.ndim != 3:
             raise ValueError(
@@ -143,14 +123,12 @@ def muon_spec(name: str, param: torch.Tensor, role: ParamRole, per_head_groups, 
             )
         if role.tp_partition_dim not in (None, 0, 1, 2):
             raise ValueError(f"parameter '{name}': tp_partition_dim={role.tp_partition_dim} is not a dim of [E, out, in]")
-        if stride > 1 and sdim != 1:
-            raise ValueError(f"parameter '{name}': an expert stack supports tp_partition_stride only on dim 1")
         gather_dim = tp_dim if tp_dim in (1, 2) else None  # experts split over ranks: local
         full = list(shape)
         if gather_dim is not None:
             full[gather_dim] *= tp_size
-        return MuonSpec(name, "expert", shape, gather_dim, tuple(full), full[0] * stride,
-                        (full[1] // stride, full[2]), stride=stride, stride_dim=sdim)
+        return MuonSpec(name, "expert", shape, gather_dim, tuple(full), full[0] * s, (full[1] // s, full[2]),
+                        row_interleave=s)
     raise ValueError(f"parameter '{name}' of kind {role.kind} is not a Muon parameter")
 
 

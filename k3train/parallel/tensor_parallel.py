@@ -170,21 +170,19 @@ class TPSpec:
             raise ValueError(f"{what}={n} is not divisible by parallel.tensor={self.size}")
         return n // self.size
 
-    def shard(self, full: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
-        """This rank's slice of ``full`` along ``dim`` (each of ``stride`` parts split separately)."""
+    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of ``full`` along ``dim`` (the rank-th of ``size`` equal contiguous parts)."""
         if self.size == 1:
             return full
-        parts = full.chunk(stride, dim=dim)
-        return torch.cat([p.chunk(self.size, dim=dim)[self.rank] for p in parts], dim=dim).contiguous()
+        return full.chunk(self.size, dim=dim)[self.rank].contiguous()
 
-    def unshard(self, local: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
+    def unshard(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         """Inverse of ``shard``: all-gather the TP shards of ``local`` into the full tensor."""
         if self.size == 1:
             return local
         shards = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(shards, local.contiguous(), group=self.groups.tp)
-        parts = zip(*(s.chunk(stride, dim=dim) for s in shards))  # per part, its piece from every rank
-        return torch.cat([torch.cat(pieces, dim=dim) for pieces in parts], dim=dim)
+        return torch.cat(shards, dim=dim)
 
     def copy_to_tp(self, x: torch.Tensor) -> torch.Tensor:
         """Identity forward, all-reduce of the gradient over TP (a replicated value read by sharded heads)."""
@@ -209,7 +207,7 @@ class TPSpec:
             if role.tp_partition_dim is None:
                 weight.copy_(full)
             else:
-                weight.copy_(self.shard(full, role.tp_partition_dim, role.tp_partition_stride))
+                weight.copy_(self.shard(full, role.tp_partition_dim))
         set_role(weight, role)
 
     def replicated(self, in_features: int, out_features: int, kind: Kind = Kind.MATRIX) -> nn.Linear:

@@ -53,21 +53,13 @@ class CheckpointError(RuntimeError):
 def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups):
     """A ShardedTensor with the global shape, so checkpoints reshard across TP and EP sizes.
 
-    A dim that interleaves ``stride`` matrices (the experts' [gate; up] rows) is viewed as
-    [.., stride, n, ..] at every TP size, so each part is sharded on its own. Expert stacks are
-    also sharded along their expert dim over EP; their replicas are the expert-DP ranks.
+    Expert stacks are also sharded along their expert dim over EP; their replicas are the expert-DP ranks.
+    Row-interleaved tensors are sharded as they are (a TP shard is a contiguous run of whole row groups).
     """
     from megatron.core.dist_checkpointing import ShardedTensor
 
     dim = role.tp_partition_dim if role is not None else None
     ep_dim = role.ep_partition_dim if role is not None else None
-    if dim is not None and role.tp_partition_stride > 1:
-        shape = list(t.shape)
-        stride = role.tp_partition_stride
-        t = t.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:])
-        if ep_dim is not None and ep_dim > dim:
-            ep_dim += 1
-        dim += 1
     offsets = []
     if ep_dim is not None and groups.ep_size > 1:
         offsets.append((ep_dim, groups.ep_rank, groups.ep_size))

@@ -6,7 +6,6 @@ input dtype (math and gradients in ``reference.py``)::
     y = situ_glu(gate, up)                  # gate, up: [..., I] → y: [..., I]
     y = situ_glu_interleaved(gate_up)       # gate_up: [..., 2I], columns (gate_0, up_0, gate_1, up_1, ...)
     y = situ_glu_interleaved(gate_up, row_scale=s)  # s [...]: y = s · SiTU, row by row (ds = Σ_I dy · SiTU)
-    y = situ_glu_packed(gate_up)            # gate_up: [..., 2I] (gate first, then up), also with row_scale
 
 The interleaved form is what the routed experts' GEMM gives (``RoutedExperts.w13``'s rows are
 (gate_j, up_j) pairs); its backward returns one [..., 2I] gradient in the same layout, written by
@@ -32,7 +31,7 @@ from torch.autograd.function import once_differentiable
 from ..backend import eager_or_compiled, use_triton
 from . import reference
 
-__all__ = ["situ_glu", "situ_glu_interleaved", "situ_glu_packed"]
+__all__ = ["situ_glu", "situ_glu_interleaved"]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -101,33 +100,6 @@ class _SiTUGLUInterleaved(torch.autograd.Function):
         return d, None, None, ds
 
 
-def _packed_backward(gate_up, grad_out, beta, linear_beta, row_scale):
-    """(d gate_up, d row_scale in its dtype or None) of the packed op, by the Triton backward."""
-    from .triton_situ import situ_backward
-    gu, i = _rows(gate_up), gate_up.shape[-1] // 2
-    d = torch.empty(gu.shape, dtype=gate_up.dtype, device=gate_up.device)
-    ds = situ_backward(gu[:, :i], gu[:, i:], _rows(grad_out), d[:, :i], d[:, i:], beta, linear_beta,
-                       _flat(row_scale))
-    return d.view(gate_up.shape), None if ds is None else ds.view(row_scale.shape).to(row_scale.dtype)
-
-
-class _SiTUGLUPacked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate_up, beta, linear_beta, row_scale):
-        from .triton_situ import situ_forward as fwd
-        ctx.save_for_backward(gate_up, row_scale)
-        ctx.betas = (beta, linear_beta)
-        gu, i = _rows(gate_up), gate_up.shape[-1] // 2
-        return fwd(gu[:, :i], gu[:, i:], beta, linear_beta, _flat(row_scale)).view(*gate_up.shape[:-1], i)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        gate_up, row_scale = ctx.saved_tensors
-        d, ds = _packed_backward(gate_up, grad_out, *ctx.betas, row_scale)
-        return d, None, None, ds
-
-
 # Under torch.compile: the same kernels as custom ops.
 @torch.library.custom_op("k3::situ_glu", mutates_args=())
 def _situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -167,48 +139,6 @@ def _situ_glu_grad(ctx, grad_out):
 
 _situ_glu.register_autograd(_situ_glu_grad, setup_context=_situ_glu_setup)
 
-
-@torch.library.custom_op("k3::situ_glu_packed", mutates_args=())
-def _situ_glu_packed(gate_up: torch.Tensor, beta: float, linear_beta: float,
-                     row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton forward of SiTU over gate_up [..., 2I] = [gate | up] → [..., I] (contiguous), each row
-    times row_scale [...] if given."""
-    from .triton_situ import situ_forward
-    gu, i = _rows(gate_up), gate_up.shape[-1] // 2
-    return situ_forward(gu[:, :i], gu[:, i:], beta, linear_beta, _flat(row_scale)).view(*gate_up.shape[:-1], i)
-
-
-@_situ_glu_packed.register_fake
-def _situ_glu_packed_fake(gate_up, beta, linear_beta, row_scale=None):
-    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-
-
-@torch.library.custom_op("k3::situ_glu_packed_backward", mutates_args=())
-def _situ_glu_packed_backward(gate_up: torch.Tensor, grad_out: torch.Tensor, beta: float, linear_beta: float,
-                              row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One [..., 2I] gradient, both halves written by the kernel (no cat), and row_scale's (empty without)."""
-    d, ds = _packed_backward(gate_up, grad_out, beta, linear_beta, row_scale)
-    return d, gate_up.new_empty(0) if ds is None else ds
-
-
-@_situ_glu_packed_backward.register_fake
-def _situ_glu_packed_backward_fake(gate_up, grad_out, beta, linear_beta, row_scale=None):
-    return gate_up.new_empty(gate_up.shape), gate_up.new_empty(0) if row_scale is None else row_scale.new_empty(
-        row_scale.shape)
-
-
-def _situ_glu_packed_setup(ctx, inputs, output):
-    gate_up, ctx.beta, ctx.linear_beta, row_scale = inputs
-    ctx.save_for_backward(gate_up, row_scale)
-
-
-def _situ_glu_packed_grad(ctx, grad_out):
-    gate_up, row_scale = ctx.saved_tensors
-    d, ds = _situ_glu_packed_backward(gate_up, grad_out, ctx.beta, ctx.linear_beta, row_scale)
-    return d, None, None, None if row_scale is None else ds
-
-
-_situ_glu_packed.register_autograd(_situ_glu_packed_grad, setup_context=_situ_glu_packed_setup)
 
 @torch.library.custom_op("k3::situ_glu_interleaved", mutates_args=())
 def _situ_glu_interleaved(gate_up: torch.Tensor, beta: float, linear_beta: float,
@@ -252,7 +182,6 @@ def _situ_glu_interleaved_grad(ctx, grad_out):
 _situ_glu_interleaved.register_autograd(_situ_glu_interleaved_grad, setup_context=_situ_glu_interleaved_setup)
 
 _glu = eager_or_compiled(_SiTUGLU.apply, _situ_glu)
-_glu_packed = eager_or_compiled(_SiTUGLUPacked.apply, _situ_glu_packed)
 _glu_interleaved = eager_or_compiled(_SiTUGLUInterleaved.apply, _situ_glu_interleaved)
 
 
@@ -280,18 +209,3 @@ def situ_glu_interleaved(gate_up: torch.Tensor, beta: float = 4.0, linear_beta: 
     if use_triton(gate_up, backend, "SiTU"):
         return _glu_interleaved(gate_up, float(beta), float(linear_beta), row_scale)
     return reference.situ_forward(gate_up[..., 0::2], gate_up[..., 1::2], beta, linear_beta, row_scale)
-
-
-def situ_glu_packed(gate_up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0,
-                    backend: str = "auto", row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """SiTU of gate_up [..., 2I] = [gate | up] along the last dim → [..., I]; with ``row_scale`` [...]
-    (differentiable; fp32 or gate_up's dtype) each output row times its scale, in the same fp32 pass."""
-    if gate_up.ndim == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up needs an even last dim, got shape {tuple(gate_up.shape)}")
-    if row_scale is not None and (row_scale.shape != gate_up.shape[:-1] or row_scale.device != gate_up.device):
-        raise ValueError(f"row_scale must be {tuple(gate_up.shape[:-1])} on {gate_up.device}, got "
-                         f"{tuple(row_scale.shape)} on {row_scale.device}")
-    if use_triton(gate_up, backend, "SiTU"):
-        return _glu_packed(gate_up, float(beta), float(linear_beta), row_scale)
-    i = gate_up.shape[-1] // 2
-    return reference.situ_forward(gate_up[..., :i], gate_up[..., i:], beta, linear_beta, row_scale)

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from k3train.config.schema import ModelConfig
-from k3train.convert.dist_checkpoint import stored_shape, write_model_checkpoint
+from k3train.convert.dist_checkpoint import write_model_checkpoint
 from k3train.model.k3 import K3Model
-from k3train.model.roles import get_role
+from k3train.model.roles import get_role, interleave_rows
 
 
 def random_tiny(seed: int, bf16_values: bool = True, mxfp4_experts: bool = False) -> K3Model:
@@ -25,26 +25,23 @@ def random_tiny(seed: int, bf16_values: bool = True, mxfp4_experts: bool = False
                 t.copy_(torch.randn(t.shape, generator=g) * 0.5)
             elif name.endswith(("norm", "norm.weight")):
                 t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
-            elif t.dim() >= 2:
-                t.copy_(torch.randn(t.shape, generator=g) * 0.2 / t.shape[-1] ** 0.5)
+            elif t.dim() >= 2:  # a row-interleaved stack (w13) drawn matrix by matrix, as HF holds it (w1, w3)
+                s = getattr(get_role(t), "row_interleave", 1)
+                drawn = torch.randn(*t.shape[:-2], s, t.shape[-2] // s, t.shape[-1], generator=g)
+                t.copy_(interleave_rows(drawn) * 0.2 / t.shape[-1] ** 0.5)
             if bf16_values and not name.endswith(("conv1d", "A_log", "dt_bias", "o_norm", "correction_bias")):
                 t.copy_(t.bfloat16().float())
-            if mxfp4_experts and name.endswith((".experts.w13", ".experts.w2")):
+            if mxfp4_experts and name.endswith((".experts.w13", ".experts.w2")):  # MXFP4 blocks run along rows
                 from k3train.convert.mxfp4 import pack_mxfp4, unpack_mxfp4
 
-                for e in range(t.shape[0]):
-                    rows = t.shape[1] // 2 if name.endswith("w13") else t.shape[1]
-                    for part in t[e].split(rows):
-                        part.copy_(unpack_mxfp4(*pack_mxfp4(part.contiguous(), backend="torch"), dtype=torch.float32,
-                                                backend="torch"))
+                rows = t.view(-1, t.shape[-1])
+                rows.copy_(unpack_mxfp4(*pack_mxfp4(rows, backend="torch"), dtype=torch.float32, backend="torch"))
     return model.eval()
 
 
 def save_model(model: K3Model, out: Path) -> Path:
     """``model`` as a weights-only checkpoint of ours (the format training writes, global shapes)."""
-    roles = {n: get_role(p) for n, p in model.named_parameters()}
-    tensors = {n: (stored_shape(tuple(t.shape), roles.get(n)), t.dtype, lambda t=t: t.detach().clone())
-               for n, t in model.state_dict().items()}
+    tensors = {n: (tuple(t.shape), t.dtype, lambda t=t: t.detach().clone()) for n, t in model.state_dict().items()}
     write_model_checkpoint(out, model.cfg, tensors)
     return out
 

@@ -172,9 +172,12 @@ def test_reference_forward_matches_model(exports, experts):
         ref = reference_logits(tensors, text, tokens, pos)
         rel = float((ours - ref).norm() / ref.norm())
         assert rel <= 1e-5, (seed, rel)
-    # the check can fail: a wrong A_log changes the logits
+    # the check can fail: a wrong A_log changes the logits, and so do the experts' gate and up swapped
     bad = dict(tensors)
     bad["language_model.model.layers.1.self_attn.A_log"] = tensors["language_model.model.layers.1.self_attn.A_log"] + 1
+    assert float((reference_logits(bad, text, tokens, pos) - ref).norm() / ref.norm()) > 1e-3
+    swap = {".w1.": ".w3.", ".w3.": ".w1."}
+    bad = {next((n.replace(a, b) for a, b in swap.items() if a in n), n): t for n, t in tensors.items()}
     assert float((reference_logits(bad, text, tokens, pos) - ref).norm() / ref.norm()) > 1e-3
 
 

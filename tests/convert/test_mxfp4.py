@@ -100,10 +100,11 @@ def test_export_import_routed_experts():
     assert len(t) == E * 3 * 2
     assert t[f"{prefix}.experts.0.w1.weight_packed"].shape == (I, ell // 2)
     assert t[f"{prefix}.experts.2.w2.weight_scale"].shape == (ell, I // 32)
-    # w1 = gate = first I rows of w13, w3 = up = the rest
-    assert torch.equal(unpack_mxfp4(t[f"{prefix}.experts.1.w3.weight_packed"],
-                                    t[f"{prefix}.experts.1.w3.weight_scale"]),
-                       mx_fake_quant(w13[1, I:]))
+    # w1 = gate = the even rows of w13, w3 = up = the odd rows (interleaved pairs)
+    for name, rows in (("w1", slice(0, None, 2)), ("w3", slice(1, None, 2))):
+        assert torch.equal(unpack_mxfp4(t[f"{prefix}.experts.1.{name}.weight_packed"],
+                                        t[f"{prefix}.experts.1.{name}.weight_scale"]),
+                           mx_fake_quant(w13[1, rows].contiguous()))
     a13, a2 = import_routed_experts(t, prefix, E)
     assert torch.equal(a13, mx_fake_quant(w13)) and torch.equal(a2, mx_fake_quant(w2))
     with pytest.raises(KeyError, match="missing MXFP4 tensor"):

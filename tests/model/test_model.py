@@ -15,6 +15,7 @@ from k3train.model.k3 import K3Model
 from k3train.model.kda import causal_conv_with_resets
 from k3train.model.mlp import situ_glu
 from k3train.model.moe import RoutedExperts
+from k3train.model.roles import deinterleave_rows, get_role, interleave_rows
 from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher
@@ -219,10 +220,29 @@ def test_routed_experts_match_per_token_loop():
     for t in range(40):
         for j in range(2):
             e = idx[t, j]
-            gate, up = (experts.w13[e] @ z[t]).chunk(2)
-            want[t] += w[t, j] * (experts.w2[e] @ situ_glu(gate, up))
+            gate_up = experts.w13[e] @ z[t]  # rows of w13: gate_0, up_0, gate_1, up_1, ...
+            want[t] += w[t, j] * (experts.w2[e] @ situ_glu(gate_up[0::2], gate_up[1::2]))
     torch.testing.assert_close(experts.forward_looped(z, idx, w), want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(_routed(experts, z, idx, w), want, rtol=1e-5, atol=1e-6)
+
+
+def test_w13_interleaves_the_gate_and_up_stacks_drawn_first():
+    """w13 [E, 2I, ℓ] holds gate_j (HF's w1 row j) in row 2j and up_j (w3 row j) in row 2j + 1, from the full
+    stacks [E, 2, I, ℓ] drawn first (the same draws as the blocked [gate; up] layout had); its role says so."""
+    cfg = ModelConfig()
+    E, I, ell = cfg.num_experts, cfg.moe_intermediate_size, cfg.latent_size
+    torch.manual_seed(3)
+    experts = RoutedExperts(cfg, TPSpec(None, 0.2))
+    torch.manual_seed(3)
+    stacks = torch.empty(E, 2, I, ell).normal_(0.0, cfg.init_std)
+    assert experts.w13.shape == (E, 2 * I, ell) and experts.w13.is_contiguous()
+    assert torch.equal(experts.w13[:, 0::2], stacks[:, 0]) and torch.equal(experts.w13[:, 1::2], stacks[:, 1])
+    assert torch.equal(deinterleave_rows(experts.w13, 2), stacks)
+    assert get_role(experts.w13).row_interleave == 2 and get_role(experts.w2).row_interleave == 1
+    parts = torch.randn(3, 4, 5, 6)  # s = 4 matrices of 5 rows
+    mixed = interleave_rows(parts)
+    assert mixed.shape == (3, 20, 6) and torch.equal(mixed[:, 4 * 2 + 3], parts[:, 3, 2])
+    assert torch.equal(deinterleave_rows(mixed, 4), parts)
 
 
 def test_grouped_experts_gradients_match_loop():

@@ -2,9 +2,10 @@
 
 ``StandInModel`` holds one parameter of every treatment the optimizer distinguishes:
 per-head column-parallel matrices (two head groups), whole matrices (column-parallel,
-row-parallel, replicated), an expert stack, and AdamW parameters with and without weight
-decay. ``tp_rank/tp_size`` build the local shards of the same full tensors, so a TP run
-can be compared with a 1-rank run on the full model.
+row-parallel, replicated; one with interleaved gate/up rows), expert stacks (one with
+interleaved gate/up rows), and AdamW parameters with and without weight decay.
+``tp_rank/tp_size`` build the local shards of the same full tensors, so a TP run can be
+compared with a 1-rank run on the full model.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ SPECS: dict[str, tuple[tuple[int, ...], ParamRole]] = {
     "q_b": ((4 * 12, 10), ParamRole(Kind.MATRIX, "mla_q_b", 12, 0)),
     "kv_b": ((4 * 16, 6), ParamRole(Kind.MATRIX, "mla_kv_b", 16, 0)),
     "g": ((32, 16), ParamRole(Kind.MATRIX, None, None, 0)),
+    "gate_up": ((2 * 12, 16), ParamRole(Kind.MATRIX, None, None, 0, row_interleave=2)),  # rows gate_j, up_j
     "o": ((16, 32), ParamRole(Kind.MATRIX, None, None, 1)),
     "f_a": ((6, 16), ParamRole(Kind.MATRIX)),
     "f_b": ((32, 6), ParamRole(Kind.MATRIX)),
     "experts_w1": ((4, 12, 16), ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1)),
-    "experts_w13": ((4, 2 * 12, 16), ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1, tp_partition_stride=2)),
+    "experts_w13": ((4, 2 * 12, 16), ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=1, row_interleave=2)),
     "v": ((4 * 8, 16), ParamRole(Kind.MATRIX, "kda_qkv", 8, 1)),  # per-head but row-sharded: gathered
     "experts_w2": ((4, 16, 12), ParamRole(Kind.EXPERT_MATRIX, tp_partition_dim=2)),
     "norm": ((16,), ParamRole(Kind.NORM)),
@@ -46,8 +48,7 @@ def shard(name: str, t: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tenso
     dim = role.tp_partition_dim
     if tp_size == 1 or dim is None:
         return t.clone()
-    parts = t.chunk(role.tp_partition_stride, dim=dim)
-    return torch.cat([p.chunk(tp_size, dim=dim)[tp_rank] for p in parts], dim=dim).clone()
+    return t.chunk(tp_size, dim=dim)[tp_rank].clone()
 
 
 class StandInModel(nn.Module):

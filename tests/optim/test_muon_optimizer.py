@@ -53,12 +53,12 @@ def test_missing_role_and_bad_head_split_raise():
 
 
 def _expected_delta(g: torch.Tensor, blocks_of, lr: float) -> torch.Tensor:
-    """-lr * 0.2 sqrt(max(m,n)) * NS(block) for every block, one at a time, in float64."""
+    """-lr * 0.2 sqrt(max(m,n)) * NS(block) for every block (``blocks_of``: 2-D views), one at a time, in
+    float64."""
     out = torch.zeros_like(g, dtype=torch.float64)
-    ob = blocks_of(out)
-    for i, blk in enumerate(blocks_of(g)):
+    for ob, blk in zip(blocks_of(out), blocks_of(g)):
         m, n = blk.shape
-        ob[i] = -lr * 0.2 * math.sqrt(max(m, n)) * newton_schulz_reference(blk)
+        ob.copy_(-lr * 0.2 * math.sqrt(max(m, n)) * newton_schulz_reference(blk))
     return out
 
 
@@ -77,10 +77,11 @@ def test_per_head_whole_and_expert_updates_match_blockwise_reference():
             hd = role.head_dim
             blocks_of = lambda t, hd=hd: t.view(-1, hd, t.shape[1])  # noqa: E731
         elif role.kind == Kind.MATRIX:
-            blocks_of = lambda t: t.unsqueeze(0)  # noqa: E731
+            s = role.row_interleave
+            blocks_of = lambda t, s=s: [t[k::s] for k in range(s)]  # noqa: E731
         elif role.kind == Kind.EXPERT_MATRIX:
-            s = role.tp_partition_stride  # gate|up stacks: each half is its own matrix
-            blocks_of = lambda t, s=s: t.view(t.shape[0] * s, t.shape[1] // s, t.shape[2])  # noqa: E731
+            s = role.row_interleave  # interleaved gate/up rows: rows k::s of an expert are one matrix
+            blocks_of = lambda t, s=s: [t[e, k::s] for e in range(t.shape[0]) for k in range(s)]  # noqa: E731
         else:
             continue
         exp = _expected_delta(grads[name], blocks_of, lr)

@@ -41,7 +41,7 @@ def _tp2_rank(rank: int, world: int, out_path: str) -> None:
         role = get_role(p)
         g = p.grad
         if role.tp_partition_dim is not None:
-            g = model.tp.unshard(g, role.tp_partition_dim, role.tp_partition_stride)
+            g = model.tp.unshard(g, role.tp_partition_dim)
         grads[name] = g
     if rank == 0:
         torch.save({"loss": loss.detach(), "grads": grads}, out_path)
