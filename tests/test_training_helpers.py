@@ -46,10 +46,26 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
-def checkpoint_tensors(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(ckpt: Path, tmp: Path, tensors_only: bool = True) -> dict:
+    """Every entry of a checkpoint's shards by key, read in one process (``tensors_only``: the tensors)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp / f"{ckpt.parent.parent.name}_{ckpt.name}.pt"
     dcp_to_torch_save(str(ckpt), str(out))
     state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state.items() if torch.is_tensor(v)}
+    return {k: v for k, v in state.items() if torch.is_tensor(v) or not tensors_only}
+
+
+def blocked_rows(w13: torch.Tensor) -> torch.Tensor:
+    """An expert stack with interleaved rows [E, 2I, ℓ] (gate_0, up_0, gate_1, ...) in the layout checkpoints
+    stored before: [E, 2, I, ℓ], [:, 0] the gate rows (HF's w1), [:, 1] the up rows (w3)."""
+    return torch.stack([w13[:, 0::2], w13[:, 1::2]], dim=1).contiguous()
+
+
+def drop_row_layout_marker(ckpt: Path) -> None:
+    """Remove the common state's row-layout entry, as checkpoints written before it lack it."""
+    from k3train.convert.dist_checkpoint import COMMON, ROW_LAYOUT, ROW_LAYOUT_KEY
+
+    common = torch.load(ckpt / COMMON, weights_only=False)
+    assert common.pop(ROW_LAYOUT_KEY) == ROW_LAYOUT
+    torch.save(common, ckpt / COMMON)

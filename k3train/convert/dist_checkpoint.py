@@ -4,6 +4,11 @@
 shape, so a tensor reads the same whatever TP/DP layout wrote it: ``DistCheckpoint.read`` loads
 one through ``torch.distributed.checkpoint`` (``no_dist``) and returns it in the model's shape.
 
+Row-interleaved tensors (``ParamRole.row_interleave`` s > 1: the experts' ``w13``, rows gate_0,
+up_0, gate_1, ...) are stored as the parameter holds them, and ``common.pt`` says so
+(``ROW_LAYOUT_KEY``). Checkpoints written before held them blocked, as [.., s, rows/s, cols]
+(all gate rows, then all up rows); those are interleaved on read (``interleave_rows``).
+
 ``write_model_checkpoint`` writes a weights-only checkpoint in the same format: the tensors are
 produced lazily, one at a time, while the writer streams them to disk (bounded memory), and
 ``common.pt`` records ``step`` 0, the model config and ``weights_only``. Training loads it
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -24,11 +30,14 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from k3train.config.schema import ModelConfig
+from k3train.model.roles import interleave_rows
 
 COMMON = "common.pt"
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                      "common_backend_version": 1}
 KEY_PREFIX = "model."
+# common-state entry: row-interleaved tensors are stored interleaved (absent: blocked, [.., s, rows/s, cols])
+ROW_LAYOUT_KEY, ROW_LAYOUT = "row_interleave_layout", "interleaved"
 
 
 class DistCheckpointError(ValueError):
@@ -53,6 +62,18 @@ def load_model_config(saved: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in saved.items() if k in known})
 
 
+def has_blocked_rows(common: dict) -> bool:
+    """Whether a checkpoint's common state predates ``ROW_LAYOUT_KEY`` (row-interleaved tensors stored blocked)."""
+    return common.get(ROW_LAYOUT_KEY) != ROW_LAYOUT
+
+
+def blocked_rows_note(path: Path, names: list[str]) -> str:
+    """The line that says an older checkpoint's blocked tensors are being interleaved."""
+    return (f"k3train: {path} predates interleaved expert rows (no '{ROW_LAYOUT_KEY}' in its common state): "
+            f"converting {len(names)} blocked tensor(s) ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''}; "
+            f"all gate rows, then all up rows) to interleaved (gate_j, up_j) rows on load")
+
+
 class DistCheckpoint:
     """Read-only view of one of our checkpoints: ``config``, ``shapes`` (stored), ``read(name)``."""
 
@@ -68,9 +89,12 @@ class DistCheckpoint:
         md = self._reader.read_metadata().state_dict_metadata
         self.stored = {k[len(KEY_PREFIX):]: (tuple(v.size), v.properties.dtype)
                        for k, v in md.items() if k.startswith(KEY_PREFIX) and hasattr(v, "size")}
+        self.blocked_rows = has_blocked_rows(self.common)
+        self._noted = False
 
     def read_many(self, items: list[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-        """Tensors ``name`` (state-dict names) as [shape] in their stored dtype, in one read."""
+        """Tensors ``name`` (state-dict names) as [shape] in their stored dtype, in one read; in a checkpoint
+        with blocked rows, one stored with an extra axis [.., s, n, cols] for [.., s·n, cols] is interleaved."""
         out = {}
         for name, shape in items:
             if name not in self.stored:
@@ -84,7 +108,12 @@ class DistCheckpoint:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(out, storage_reader=self._reader, no_dist=True)
-        return {name: out[KEY_PREFIX + name].view(shape) for name, shape in items}
+        blocked = [name for name, shape in items if self.blocked_rows and len(self.stored[name][0]) == len(shape) + 1]
+        if blocked and not self._noted:
+            print(blocked_rows_note(self.path, blocked), file=sys.stderr, flush=True)
+            self._noted = True
+        return {name: interleave_rows(out[KEY_PREFIX + name]) if name in blocked else out[KEY_PREFIX + name].view(shape)
+                for name, shape in items}
 
     def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.read_many([(name, shape)])[name]
@@ -126,6 +155,6 @@ def write_model_checkpoint(out: Path, cfg: ModelConfig, tensors: dict[str, tuple
             original = next(iter(err.failures.values()))[0]
             raise original from None
     common = {"step": 0, "world_size": 1, "weights_only": True, "model_config": dataclasses.asdict(cfg),
-              **(extra_common or {})}
+              ROW_LAYOUT_KEY: ROW_LAYOUT, **(extra_common or {})}
     torch.save(common, out / COMMON)
     (out / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))

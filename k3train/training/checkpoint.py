@@ -9,7 +9,10 @@ What is saved:
 - optimizer state tensors shaped like their parameter, sharded the same way; the rest of the
   optimizer state (step counters, hyper-parameters, and any extra top-level entries of the
   optimizer's state dict, e.g. K3Muon's ``k3_muon`` skipped-step counter) as common state;
-- scheduler, data position, step and the model config as common state;
+- scheduler, data position, step and the model config as common state, and ``ROW_LAYOUT_KEY``
+  (``k3train.convert.dist_checkpoint``): row-interleaved tensors (the experts' ``w13``) are stored as
+  the parameters hold them. A checkpoint without it holds them blocked ([.., s, rows/s, cols]; older
+  checkpoints) and loads through that layout, interleaved on the way in, with a line saying so;
 - each rank's RNG states as a per-rank ``ShardedObject`` (restored when the world size is unchanged).
 
 Layout: ``<run>/checkpoints/step_00000010/``; ``<run>/checkpoints/latest`` names the newest.
@@ -36,7 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.config.schema import ModelConfig
-from k3train.model.roles import get_role
+from k3train.convert.dist_checkpoint import ROW_LAYOUT, ROW_LAYOUT_KEY, blocked_rows_note, has_blocked_rows
+from k3train.model.roles import get_role, interleave_rows
 from k3train.parallel.checkpoint_io import save_strategy
 from k3train.parallel.state import ParallelGroups
 from k3train.precision.main_params import main_param
@@ -50,16 +54,39 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups):
+def _is_blocked(role, blocked_rows: bool) -> bool:
+    """Whether a tensor of ``role`` is stored blocked: row-interleaved, in a checkpoint that predates the marker."""
+    return blocked_rows and role is not None and role.row_interleave > 1
+
+
+def _template(t: torch.Tensor, role, blocked_rows: bool) -> torch.Tensor:
+    """An empty buffer for loading ``t``: its shape, or the blocked [.., s, rows/s, cols] of an older checkpoint."""
+    if not _is_blocked(role, blocked_rows):
+        return torch.empty_like(t)
+    s = role.row_interleave
+    return t.new_empty(*t.shape[:-2], s, t.shape[-2] // s, t.shape[-1])
+
+
+def _as_model_layout(loaded: torch.Tensor, like: torch.Tensor, role, blocked_rows: bool) -> torch.Tensor:
+    """A loaded tensor in the layout of ``like`` (an older checkpoint's blocked rows interleaved)."""
+    return interleave_rows(loaded) if _is_blocked(role, blocked_rows) else loaded.view(like.shape)
+
+
+def _sharded(key: str, t: torch.Tensor, role, groups: ParallelGroups, blocked_rows: bool = False):
     """A ShardedTensor with the global shape, so checkpoints reshard across TP and EP sizes.
 
     Expert stacks are also sharded along their expert dim over EP; their replicas are the expert-DP ranks.
-    Row-interleaved tensors are sharded as they are (a TP shard is a contiguous run of whole row groups).
+    Row-interleaved tensors are sharded as they are (a TP shard is a contiguous run of whole row groups). In
+    an older checkpoint (``blocked_rows``) they are [.., s, rows/s, cols] (``_template``'s buffer), each of
+    the s matrices' rows sharded over TP on its own, so every dim from the rows on moves one to the right.
     """
     from megatron.core.dist_checkpointing import ShardedTensor
 
     dim = role.tp_partition_dim if role is not None else None
     ep_dim = role.ep_partition_dim if role is not None else None
+    if _is_blocked(role, blocked_rows):
+        rows = t.ndim - 3  # of the model's tensor, before the matrix axis was inserted
+        dim, ep_dim = (d if d is None or d < rows else d + 1 for d in (dim, ep_dim))
     offsets = []
     if ep_dim is not None and groups.ep_size > 1:
         offsets.append((ep_dim, groups.ep_rank, groups.ep_size))
@@ -151,23 +178,27 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _state_dict(model, optimizer, groups, extra: dict, template: bool) -> dict:
+def _state_dict(model, optimizer, groups, extra: dict, template: bool, blocked_rows: bool = False) -> dict:
+    """The sharded state dict to save (``template`` False), or to load into (True; ``blocked_rows``: the
+    checkpoint predates ``ROW_LAYOUT_KEY``)."""
     from megatron.core.dist_checkpointing import ShardedObject
 
-    sd: dict = {f"model.{n}": _sharded(f"model.{n}", t.detach() if not template else torch.empty_like(t),
-                                       get_role(t), groups)
-                for n, t in _model_tensors(model).items()}
+    def sharded(key: str, t: torch.Tensor, role):
+        return _sharded(key, _template(t, role, blocked_rows) if template else t.detach(), role, groups,
+                        template and blocked_rows)
+
+    sd: dict = {f"model.{n}": sharded(f"model.{n}", t, get_role(t)) for n, t in _model_tensors(model).items()}
     params_by_name = _main_weights(model)
     names = {id(p): n for n, p in params_by_name.items()}
     if optimizer is not None:
         if template:
             keys = extra["optimizer_tensor_keys"]
-            opt_tensors = {(n, k): torch.empty_like(params_by_name[n]) for n, k in keys
+            opt_tensors = {(n, k): params_by_name[n] for n, k in keys
                            if n in params_by_name}  # under PP: this stage's parameters
         else:
             _, _, opt_tensors, _ = _optimizer_split(optimizer, names)
         for (n, k), t in opt_tensors.items():
-            sd[f"optim.{n}.{k}"] = _sharded(f"optim.{n}.{k}", t, get_role(params_by_name[n]), groups)
+            sd[f"optim.{n}.{k}"] = sharded(f"optim.{n}.{k}", t, get_role(params_by_name[n]))
     if not template or extra.get("world_size") == groups.world_size:
         sd["rng"] = ShardedObject("rng", None if template else _rng_state(), (groups.world_size,), (groups.rank,),
                                   replica_id=0)
@@ -198,6 +229,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         "step": step,
         "world_size": groups.world_size,
         "model_config": dataclasses.asdict(model_cfg),
+        ROW_LAYOUT_KEY: ROW_LAYOUT,
         "scheduler": scheduler.state_dict(),
         "data": data_state,
         "trainer_state": trainer_state or {},  # the trainer's own state (the step guard's loss history)
@@ -292,11 +324,21 @@ def load_model_weights(path: Path, model: nn.Module, groups: ParallelGroups, mod
     common = dist_checkpointing.load_common_state_dict(str(path))
     check_model_config(common["model_config"], model_cfg, path, NON_WEIGHT_FIELDS,
                        "set the model config to the checkpoint's (for an HF folder: its config.json)")
-    template = _state_dict(model, None, groups, {}, template=True)
+    blocked = has_blocked_rows(common)
+    template = _state_dict(model, None, groups, {}, template=True, blocked_rows=blocked)
     loaded = dist_checkpointing.load(template, str(path))
+    tensors = _model_tensors(model)
+    _note_blocked_rows(path, tensors, groups, blocked)
     with torch.no_grad():
-        for n, t in _model_tensors(model).items():
-            t.copy_(loaded[f"model.{n}"].view_as(t))
+        for n, t in tensors.items():
+            t.copy_(_as_model_layout(loaded[f"model.{n}"], t, get_role(t), blocked))
+
+
+def _note_blocked_rows(path: Path, tensors: dict[str, torch.Tensor], groups: ParallelGroups, blocked: bool) -> None:
+    """One line (main rank) when an older checkpoint's blocked rows are being interleaved."""
+    names = [n for n, t in tensors.items() if _is_blocked(get_role(t), blocked)]
+    if names and groups.is_main:
+        print(blocked_rows_note(path, names), file=sys.stderr, flush=True)
 
 
 @single_intra_op_thread()
@@ -315,7 +357,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     check_model_config(common["model_config"], model_cfg, path)
     lookup = {"optimizer_tensor_keys": [tuple(k) for k in common["optimizer_tensor_keys"]],
               "world_size": common["world_size"]}
-    template = _state_dict(model, optimizer, groups, lookup, template=True)
+    blocked = has_blocked_rows(common)
+    template = _state_dict(model, optimizer, groups, lookup, template=True, blocked_rows=blocked)
     template = {k: v for k, v in template.items() if k not in lookup}
     try:
         loaded = dist_checkpointing.load(template, str(path))
@@ -324,9 +367,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                               f"; give train.resume another checkpoint") from err
 
     tensors = _model_tensors(model)
+    _note_blocked_rows(path, tensors, groups, blocked)
     with torch.no_grad():
         for n, t in tensors.items():
-            t.copy_(loaded[f"model.{n}"].view_as(t))
+            t.copy_(_as_model_layout(loaded[f"model.{n}"], t, get_role(t), blocked))
     names = {id(p): n for n, p in _main_weights(model).items()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     saved_keys = common.get("optimizer_param_group_keys")
@@ -342,7 +386,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     state: dict = {}
     for n, k in common["optimizer_tensor_keys"]:
         if n in param_index:
-            state.setdefault(param_index[n], {})[k] = loaded[f"optim.{n}.{k}"].view(tensors[n].shape)
+            state.setdefault(param_index[n], {})[k] = _as_model_layout(loaded[f"optim.{n}.{k}"], tensors[n],
+                                                                       get_role(tensors[n]), blocked)
     for n, other in common["optimizer_other"].items():
         if n in param_index:
             state.setdefault(param_index[n], {}).update(other)

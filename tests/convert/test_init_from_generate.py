@@ -6,9 +6,9 @@ import torch
 
 from convert_helpers import random_tiny, save_model
 from k3train.convert.convert import export_hf, load_weights
-from k3train.convert.dist_checkpoint import DistCheckpoint
+from k3train.convert.dist_checkpoint import DistCheckpoint, write_model_checkpoint
 from k3train.generate import generate, top_p_sample
-from test_training_helpers import train
+from test_training_helpers import blocked_rows, drop_row_layout_marker, train
 
 
 def test_init_from_hf_folder_loads_weights_at_step_zero(tmp_path):
@@ -31,6 +31,36 @@ def test_init_from_hf_folder_loads_weights_at_step_zero(tmp_path):
     proc = train(tmp_path / "run", "train.steps=2", "train.save_every=0", "logging.console=true",
                  f"train.init_from={tmp_path / 'hf'}")
     assert "resumed from" in proc.stdout and "initialised" not in proc.stdout
+
+
+def test_old_weights_only_checkpoint_reads_interleaved(tmp_path, capfd):
+    """A weights-only checkpoint from before the experts' rows were interleaved (w13 stored [E, 2, I, ℓ]: gate
+    rows, then up rows; no layout entry): the converters' reader and train.init_from interleave it, with a line
+    saying so; today's format reads without one."""
+    model = random_tiny(23)
+    sd = model.state_dict()
+    w13 = "layers.1.mlp.experts.w13"
+    old = {n: blocked_rows(t) if n.endswith(".experts.w13") else t for n, t in sd.items()}
+    write_model_checkpoint(tmp_path / "old", model.cfg, {n: (tuple(t.shape), t.dtype, lambda t=t: t)
+                                                         for n, t in old.items()})
+    drop_row_layout_marker(tmp_path / "old")
+    assert DistCheckpoint(tmp_path / "old").stored[w13][0] == old[w13].shape
+    save_model(model, tmp_path / "today")
+    capfd.readouterr()
+    for name in ("old", "today"):
+        _, state = load_weights(tmp_path / name)
+        assert state.keys() == sd.keys() and all(torch.equal(state[n], t) for n, t in sd.items()), name
+        assert ("predates interleaved expert rows" in capfd.readouterr().err) == (name == "old")
+    # lr = 1e-30: the one step leaves the fp32 weights bit-identical (the QB router bias still moves)
+    proc = train(tmp_path / "run", "train.steps=1", "train.save_every=1", "optim.lr=1e-30",
+                 f"train.init_from={tmp_path / 'old'}")
+    assert "converting 8 blocked tensor(s)" in proc.stderr
+    saved = DistCheckpoint(tmp_path / "run")
+    assert not saved.blocked_rows and saved.stored[w13][0] == sd[w13].shape
+    names = [n for n in sd if not n.endswith("e_score_correction_bias")]
+    got = saved.read_many([(n, tuple(sd[n].shape)) for n in names])
+    for n in names:
+        assert torch.equal(got[n], sd[n]), n
 
 
 def test_generate_greedy_and_top_p(tmp_path):
