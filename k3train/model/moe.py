@@ -34,8 +34,11 @@ from k3train.model.router import SigmoidRouter
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import token_dispatcher
 from kernels.grouped_gemm_sm90 import CONFIGS as CUTLASS_CONFIGS
+from kernels.grouped_gemm_sm90 import SITU_CONFIG
 from kernels.grouped_gemm_sm90 import expert_tiled_mm_op as cutlass_expert_tiled_mm
 from kernels.grouped_gemm_sm90 import expert_tiled_mm_reference
+from kernels.grouped_gemm_sm90 import expert_tiled_situ_backward_op as cutlass_situ_backward
+from kernels.grouped_gemm_sm90 import expert_tiled_situ_forward_op as cutlass_situ_forward
 from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
 from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
 from kernels.grouped_wgrad import grouped_wgrad
@@ -47,10 +50,12 @@ class GroupedGemm(NamedTuple):
     """Which kernels run the routed experts' GEMMs (``RoutedExperts.grouped_gemm`` parsed): ``mm``, the CUTLASS
     configuration of the forward and dgrad products (None: ``torch._grouped_mm``); ``wgrad``, that of the weight
     gradients (None: ``kernels.grouped_wgrad``); ``tiled``: the products on the expert-tiled kernel, over rows
-    padded per expert to ``row_tile``."""
+    padded per expert to ``row_tile``; ``situ_epilogue``: SiTU computed in the epilogues of the W13 forward and the
+    W2 dgrad (``_SiTUExperts``)."""
     mm: int | None = None
     wgrad: int | None = None
     tiled: bool = False
+    situ_epilogue: bool = False
 
     @property
     def row_tile(self) -> int:
@@ -60,20 +65,26 @@ class GroupedGemm(NamedTuple):
 def grouped_gemm_configs(gemm: str) -> GroupedGemm:
     """RoutedExperts.grouped_gemm → GroupedGemm: "torch" → ``torch._grouped_mm`` and ``kernels.grouped_wgrad``;
     "cutlass:i" → configuration i of ``kernels.grouped_gemm_sm90`` for the forward and dgrad products;
-    "tiles:i" → its expert-tiled kernel (one-CTA-cluster configurations; rows padded per expert); either with
-    ":j" → configuration j for the weight gradients too (experimental)."""
+    "tiles:i" → its expert-tiled kernel (one-CTA-cluster configurations; rows padded per expert); "fused:1" →
+    the expert-tiled configuration 1 with SiTU in its products' epilogues (``kernels.grouped_gemm_sm90.
+    expert_tiled_situ_forward``; the fastest on one H200, docs/moe_notes.md §2); each with ":j" →
+    configuration j for the weight gradients too (experimental)."""
     parts = gemm.split(":")
-    ok = parts == ["torch"] or (parts[0] in ("cutlass", "tiles") and len(parts) in (2, 3) and
+    ok = parts == ["torch"] or (parts[0] in ("cutlass", "tiles", "fused") and len(parts) in (2, 3) and
                                 all(p.isdigit() and int(p) < len(CUTLASS_CONFIGS) for p in parts[1:]))
     if ok and parts[0] == "tiles" and CUTLASS_CONFIGS[int(parts[1])].cluster_m != 1:
         ok = False
+    if ok and parts[0] == "fused" and int(parts[1]) != SITU_CONFIG:
+        ok = False
     if not ok:
         tiled = [i for i, c in enumerate(CUTLASS_CONFIGS) if c.cluster_m == 1]
-        raise ValueError(f"grouped GEMM {gemm!r}: 'torch', 'cutlass:<i>[:<j>]' or 'tiles:<t>[:<j>]' with i, j in "
-                         f"0..{len(CUTLASS_CONFIGS) - 1} and t in {tiled} (kernels.grouped_gemm_sm90.CONFIGS)")
+        raise ValueError(f"grouped GEMM {gemm!r}: 'torch', 'cutlass:<i>[:<j>]', 'tiles:<t>[:<j>]' or "
+                         f"'fused:{SITU_CONFIG}[:<j>]' with i, j in 0..{len(CUTLASS_CONFIGS) - 1} and t in {tiled} "
+                         f"(kernels.grouped_gemm_sm90.CONFIGS)")
     if parts == ["torch"]:
         return GroupedGemm()
-    return GroupedGemm(int(parts[1]), int(parts[2]) if len(parts) == 3 else None, parts[0] == "tiles")
+    return GroupedGemm(int(parts[1]), int(parts[2]) if len(parts) == 3 else None, parts[0] in ("tiles", "fused"),
+                       parts[0] == "fused")
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gemm: GroupedGemm,
@@ -106,11 +117,42 @@ class _GroupedLinear(torch.autograd.Function):
         x, w, offsets, tile_expert = ctx.saved_tensors
         gemm = ctx.gemm
         grad_x = _grouped_mm(grad_y, w, offsets, gemm, tile_expert) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (grouped_wgrad(grad_y, x, offsets) if gemm.wgrad is None else
-                      cutlass_grouped_wgrad(grad_y.contiguous(), x.contiguous(), offsets, gemm.wgrad))
+        grad_w = _grouped_wgrad(grad_y, x, offsets, gemm) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None
+
+
+def _grouped_wgrad(grad_y: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, gemm: GroupedGemm) -> torch.Tensor:
+    """dW[e] = grad_y[rows of e]ᵀ x[rows of e] by ``gemm``'s weight-gradient kernel."""
+    if gemm.wgrad is None:
+        return grouped_wgrad(grad_y, x, offsets)
+    return cutlass_grouped_wgrad(grad_y.contiguous(), x.contiguous(), offsets, gemm.wgrad)
+
+
+class _SiTUExperts(torch.autograd.Function):
+    """y = W2_e · (s ⊙ SiTU(W13_e x)) row by row, with SiTU in the products' epilogues (expert-tiled configuration
+    ``SITU_CONFIG``): the W13 forward writes the pre-activations P [M, 2I] and h [M, I]; the backward's W2 dgrad
+    writes dP and ds (the row scale's gradient) from the saved P, so SiTU costs no pass of its own. Saves x, P and
+    h, as the unfused path does. x [M, ℓ], w13 [G, 2I, ℓ] (rows interleaved), w2 [G, ℓ, I], bf16; row_scale [M]
+    or None."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, row_scale, offsets, tile_expert, gemm, betas):
+        pre, h = cutlass_situ_forward(x, w13, tile_expert, row_scale, *betas)
+        ctx.save_for_backward(x, w13, w2, row_scale, offsets, tile_expert, pre, h)
+        ctx.gemm, ctx.betas = gemm, betas
+        return cutlass_expert_tiled_mm(h, w2.transpose(1, 2), tile_expert, gemm.mm)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w13, w2, row_scale, offsets, tile_expert, pre, h = ctx.saved_tensors
+        gemm, grad_y = ctx.gemm, grad_y.contiguous()
+        d_pre, d_scale = cutlass_situ_backward(grad_y, w2, pre, tile_expert, row_scale, *ctx.betas)
+        grad_x = cutlass_expert_tiled_mm(d_pre, w13, tile_expert, gemm.mm)
+        grad_w13 = _grouped_wgrad(d_pre, x, offsets, gemm) if ctx.needs_input_grad[1] else None
+        grad_w2 = _grouped_wgrad(grad_y, h, offsets, gemm) if ctx.needs_input_grad[2] else None
+        if d_scale is not None:
+            d_scale = d_scale.to(row_scale.dtype)
+        return grad_x, grad_w13, grad_w2, d_scale, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemm: str | GroupedGemm = "torch",
@@ -195,7 +237,8 @@ class RoutedExperts(nn.Module):
         SiTU's pass, where given: the gate weights folded in); two grouped GEMMs, the first giving
         [M, 2·I_local] with (gate_j, up_j) in columns (2j, 2j + 1). The groups are this rank's experts, or the
         stacks ``w13`` [G, 2·I_local, ℓ] (rows interleaved) / ``w2`` [G, ℓ, I_local] the dispatcher gives (its
-        experts plus fetched replicas).
+        experts plus fetched replicas). With ``grouped_gemm`` "fused:1" on CUDA and no fake quantisation, SiTU
+        runs in the two products' epilogues (``_SiTUExperts``); elsewhere it is a pass of its own.
         """
         w13 = self.w13 if w13 is None else w13
         w2 = self.w2 if w2 is None else w2
@@ -205,6 +248,9 @@ class RoutedExperts(nn.Module):
         tile = self.row_tile
         offsets, tile_expert = group_offsets(tokens_per_expert, tile, x.shape[0] // tile if tile > 1 else 0)
         tile_expert = tile_expert if tile > 1 else None
+        if self._gemm.situ_epilogue and x.is_cuda and self.input_fake_quant is None and self.weight_fake_quant is None:
+            return _SiTUExperts.apply(x, w13.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous(), row_weights,
+                                      offsets, tile_expert, self._gemm, (self.beta, self.linear_beta))
         h = situ_glu_interleaved(grouped_linear(*self._operands(x, w13), offsets, self._gemm, tile_expert),
                                  self.beta, self.linear_beta, row_scale=row_weights)
         return grouped_linear(*self._operands(h, w2), offsets, self._gemm, tile_expert)

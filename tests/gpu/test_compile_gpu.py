@@ -47,7 +47,8 @@ NEEDS_CUTLASS = pytest.mark.skipif(not grouped_gemm_sm90.available(),
                                    reason="needs the CUTLASS library (kernels.grouped_gemm_sm90.build)")
 
 
-@pytest.mark.parametrize("expert_gemm", ["torch", pytest.param("tiles:1", marks=NEEDS_CUTLASS)])
+@pytest.mark.parametrize("expert_gemm", ["torch", pytest.param("tiles:1", marks=NEEDS_CUTLASS),
+                                         pytest.param("fused:1", marks=NEEDS_CUTLASS)])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_layers_match_eager(mode, expert_gemm):
     """Packed rows of 3, then 7 documents, then one document per row: compiled layers get the document
@@ -62,7 +63,8 @@ def test_compiled_layers_match_eager(mode, expert_gemm):
     and at most 2.07x). Each compiled step runs twice (under "reduce-overhead" the second call replays
     the CUDA graphs the first recorded), and the first layout comes back after the others: the repeats
     must agree with the first runs (``_agree``). With ``expert_gemm`` = "tiles:1" the bf16 eager and compiled
-    models run the CUTLASS expert-tiled products (rows padded per expert), the fp32 reference torch's."""
+    models run the CUTLASS expert-tiled products (rows padded per expert), with "fused:1" those with SiTU in
+    their epilogues; the fp32 reference runs torch's."""
     cfg = ModelConfig(**yaml.safe_load((REPO / "conf/model/k3_tiny_kernel.yaml").read_text()))
     torch._dynamo.reset()
     counters.clear()
@@ -155,7 +157,8 @@ def test_qb_keeps_each_micro_batchs_router_inputs_under_cuda_graphs():
 
 
 @pytest.mark.parametrize("mode, expert_gemm", [("default", "torch"), ("reduce-overhead", "torch"),
-                                               pytest.param("reduce-overhead", "tiles:1", marks=NEEDS_CUTLASS)])
+                                               pytest.param("reduce-overhead", "tiles:1", marks=NEEDS_CUTLASS),
+                                               pytest.param("reduce-overhead", "fused:1", marks=NEEDS_CUTLASS)])
 def test_trainer_with_compile(tmp_path, mode, expert_gemm):
     """python -m k3train.train train.compile=true with each train.compile_mode (reduce-overhead: CUDA
     graphs) and the CUTLASS expert GEMMs, with evaluation and checkpoints between steps: trains, and no

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3train.config.schema import ModelConfig
-from k3train.model.moe import RoutedExperts
+from k3train.model.moe import RoutedExperts, experts_and_combine
 from k3train.parallel.tensor_parallel import TPSpec
 from k3train.parallel.token_dispatcher import LocalTokenDispatcher
 
@@ -25,8 +25,12 @@ def _cutlass_built() -> bool:
 
 
 @pytest.mark.parametrize("routing", ["natural", "skewed"])
-@pytest.mark.parametrize("gemm", ["torch", "tiles:0"])
-def test_grouped_bf16_matches_fp32_loop(routing, gemm):
+@pytest.mark.parametrize("gemm, folded", [("torch", False), ("tiles:0", False), ("fused:1", False), ("torch", True),
+                                          ("fused:1", True)])
+def test_grouped_bf16_matches_fp32_loop(routing, gemm, folded):
+    """The grouped experts in bf16 against the fp32 loop: outputs and the gradients of z, the gate weights, w13 and
+    w2. ``folded``: the gate weights ride in SiTU's pass (the layer's path, ``experts_and_combine``; with "fused:1"
+    in the products' epilogues, ds from the W2 dgrad's) and the combine is unweighted."""
     if gemm != "torch" and not _cutlass_built():
         pytest.skip("needs kernels.grouped_gemm_sm90's library (python -m kernels.grouped_gemm_sm90.build)")
     torch.manual_seed(0)
@@ -48,6 +52,8 @@ def test_grouped_bf16_matches_fp32_loop(routing, gemm):
     def grouped():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             rows, tokens_per_expert, handle = disp.dispatch(z.bfloat16(), idx, experts.row_tile)
+            if folded:
+                return experts_and_combine(disp, experts, rows, tokens_per_expert, w, handle)
             return disp.combine(experts(rows, tokens_per_expert), w, handle)
 
     params = (z, w, experts.w13, experts.w2)

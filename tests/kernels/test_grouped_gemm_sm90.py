@@ -235,7 +235,9 @@ def test_routed_experts_grouped_gemm_names():
     assert grouped_gemm_configs("cutlass:1:4") == GroupedGemm(1, 4)
     assert grouped_gemm_configs("tiles:1:3") == GroupedGemm(1, 3, tiled=True)
     assert grouped_gemm_configs("tiles:1").row_tile == gg.CONFIGS[1].tile[0] == 64
-    for bad in ("cutlass", f"cutlass:{len(gg.CONFIGS)}", "cutlass:a", "cuda", "cutlass:1:2:3", "tiles:3"):
+    assert grouped_gemm_configs("fused:1:3") == GroupedGemm(1, 3, tiled=True, situ_epilogue=True)
+    assert grouped_gemm_configs("fused:1").row_tile == 64
+    for bad in ("cutlass", f"cutlass:{len(gg.CONFIGS)}", "cutlass:a", "cuda", "cutlass:1:2:3", "tiles:3", "fused:0"):
         with pytest.raises(ValueError, match="cutlass:<i>\\[:<j>\\]"):
             grouped_gemm_configs(bad)
     with pytest.raises(ValueError, match="grouped GEMM 'cutlass:9'"):
