@@ -39,8 +39,8 @@ only where ``RoutedExperts.grouped_gemm`` names a configuration (``benchmarks/mo
     (``situ_epilogue.cuh``, configuration ``SITU_CONFIG``): W13 (rows interleaved gate_j, up_j) gives the
     pre-activations and h = s·SiTU from its fp32 accumulators; the W2 dgrad gives the pre-activations' gradient and
     the row scale's (ds). ``expert_tiled_situ_reference`` is the same in fp32 torch. On one H200 at bench-1B
-    (session 34, natural routing) they took 157 and 143 µs against 211 and 200 µs for the plain products followed
-    by the Triton SiTU kernels (docs/moe_notes.md §2).
+    (session 34, natural routing, row scale) they took 154.7 and 133.4 µs against 211.6 and 201.0 µs for the plain
+    products followed by the Triton SiTU kernels (docs/moe_notes.md §2).
 
 ``grouped_mm_op`` and ``expert_tiled_mm_op`` (both the custom op ``k3::grouped_mm_sm90``), ``grouped_wgrad_op``
 (``k3::grouped_wgrad_sm90``) and ``expert_tiled_situ_forward_op`` / ``_backward_op`` (``k3::situ_forward_sm90``,

@@ -16,7 +16,8 @@
 // (the gate weights; none: 1) is read per row from global memory.
 //
 // A ping-pong 64-row tile gives each thread two rows, r and r + 8 (the wgmma accumulator layout: rows lane/4 and
-// lane/4 + 8 of the warp's 16); the row scale and ds use that, and the four lanes of a quad hold the same rows.
+// lane/4 + 8 of the warp's 16), the same in every epilogue subtile (a subtile spans the tile's rows); the row scale
+// and ds use that (ThreadRows), and the four lanes of a quad hold the same rows.
 
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
@@ -41,6 +42,10 @@ struct SituTerms {
 
 struct SituBetas {
   float beta = 4.0f, linear_beta = 25.0f;
+  float inv_beta = 0.25f, inv_linear_beta = 0.04f;
+  SituBetas() = default;
+  SituBetas(float beta, float linear_beta)
+      : beta(beta), linear_beta(linear_beta), inv_beta(1.0f / beta), inv_linear_beta(1.0f / linear_beta) {}
 };
 
 // What an epilogue visitor that loads nothing through the collective needs besides its callbacks: no workspace.
@@ -62,26 +67,32 @@ struct NoWorkspaceVisitor {
   }
 };
 
-// A thread's two rows of the tile (r0 and r0 + 8) and their scales: the coordinates of the epilogue's fragments
-// relative to the tile (static but for the thread's offset) and the tile's first row.
+// A thread's two rows of the tile, r0 and r0 + 8, as seen from the kN positions of a subtile's fragments (the same
+// in every subtile): which positions lie on the second row, and each position's row scale. From the coordinates of
+// the epilogue's fragments relative to the tile (CTensor: (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> (m, n)).
 template <class CTensor>
-struct TwoRows {
-  CTensor tC_c;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> (m, n) in the tile
-  int64_t m0;    // the tile's first row
-  int r0;        // the thread's first row in the tile
-  float s0 = 1.0f, s1 = 1.0f;
+struct ThreadRows {
+  using SubtileShape = decltype(cute::take<0, 3>(cute::shape(std::declval<CTensor>())));
+  static constexpr int kN = decltype(cute::size(SubtileShape{}))::value;
+  static_assert(decltype(cute::size<3>(cute::shape(std::declval<CTensor>())))::value == 1,
+                "one epilogue subtile along M: every subtile holds the thread's same two rows");
+  static_assert(kN <= 32, "positions of a subtile in one 32-bit mask");
+  int64_t m0;            // the tile's first row
+  int r0;                // the thread's first row in the tile
+  uint32_t second = 0;   // bit k: position k lies on row r0 + 8
+  cutlass::Array<float, kN> scale;
 
-  CUTLASS_DEVICE TwoRows(CTensor c, int64_t m0, float const* row_scale) : tC_c(c), m0(m0) {
-    r0 = cute::get<0>(tC_c(0));
-    if (row_scale != nullptr) {
-      s0 = row_scale[m0 + r0];
-      s1 = row_scale[m0 + r0 + 8];
+  CUTLASS_DEVICE ThreadRows(CTensor const& tC_c, int64_t m0, float const* row_scale) : m0(m0) {
+    auto sub = tC_c(cute::_, cute::_, cute::_, 0, 0);
+    r0 = cute::get<0>(sub(0));
+    float s0 = row_scale == nullptr ? 1.0f : row_scale[m0 + r0];
+    float s1 = row_scale == nullptr ? 1.0f : row_scale[m0 + r0 + 8];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kN; ++k) {
+      bool on_second = cute::get<0>(sub(k)) != r0;
+      second |= static_cast<uint32_t>(on_second) << k;
+      scale[k] = on_second ? s1 : s0;
     }
-  }
-  // Whether element i of fragment epi_v in subtile (epi_m, epi_n) lies on the second row.
-  template <int FragmentSize>
-  CUTLASS_DEVICE bool second(int epi_v, int i, int epi_m, int epi_n) const {
-    return cute::get<0>(tC_c(cute::_, cute::_, cute::_, epi_m, epi_n)(epi_v * FragmentSize + i)) != r0;
   }
 };
 
@@ -112,21 +123,19 @@ struct Sm90SituForward : NoWorkspaceVisitor {
 
   template <class CTensor>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(TwoRows<CTensor> rows, SituBetas betas) : rows(rows), betas(betas) {}
-    TwoRows<CTensor> rows;
+    CUTLASS_DEVICE ConsumerStoreCallbacks(ThreadRows<CTensor> rows, SituBetas betas) : rows(rows), betas(betas) {}
+    ThreadRows<CTensor> rows;
     SituBetas betas;
 
     template <typename ElementAccumulator, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const& acc,
-                                                             int epi_v, int epi_m, int epi_n) {
+                                                             int epi_v, int, int) {
       static_assert(FragmentSize % 2 == 0, "accumulator pairs");
       cutlass::Array<float, FragmentSize> out;
-      float inv_beta = 1.0f / betas.beta, inv_linear_beta = 1.0f / betas.linear_beta;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; i += 2) {
-        SituTerms t(acc[i], acc[i + 1], inv_beta, inv_linear_beta);
-        float s = rows.template second<FragmentSize>(epi_v, i, epi_m, epi_n) ? rows.s1 : rows.s0;
-        out[i] = out[i + 1] = t.gate(betas.beta) * t.up(betas.linear_beta) * s;
+        SituTerms t(acc[i], acc[i + 1], betas.inv_beta, betas.inv_linear_beta);
+        out[i] = out[i + 1] = t.gate(betas.beta) * t.up(betas.linear_beta) * rows.scale[epi_v * FragmentSize + i];
       }
       return out;
     }
@@ -136,7 +145,7 @@ struct Sm90SituForward : NoWorkspaceVisitor {
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     auto tC_c = tile_coordinates<ReferenceSrc, TileShapeMNK>(args);
     int64_t m0 = static_cast<int64_t>(cute::get<0>(args.tile_coord_mnkl)) * cute::size<0>(TileShapeMNK{});
-    return ConsumerStoreCallbacks<decltype(tC_c)>(TwoRows<decltype(tC_c)>(tC_c, m0, params_ptr->row_scale),
+    return ConsumerStoreCallbacks<decltype(tC_c)>(ThreadRows<decltype(tC_c)>(tC_c, m0, params_ptr->row_scale),
                                                   params_ptr->betas);
   }
 };
@@ -294,32 +303,31 @@ struct Sm90Compute<SituBackwardPairs, uint32_t, float, RoundStyle> : NoWorkspace
 
   template <class CTensor>
   struct ConsumerStoreCallbacks : EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(TwoRows<CTensor> rows, Params const* p) : rows(rows), params(p) {}
-    TwoRows<CTensor> rows;
+    CUTLASS_DEVICE ConsumerStoreCallbacks(ThreadRows<CTensor> rows, Params const* p) : rows(rows), params(p) {
+      ds_part.fill(0.0f);
+    }
+    ThreadRows<CTensor> rows;
     Params const* params;
-    float ds0 = 0.0f, ds1 = 0.0f;  // this thread's part of ds for its two rows
+    Array<float, ThreadRows<CTensor>::kN> ds_part;  // Σ over the subtiles of dh·SiTU at each position
 
     template <typename ElementAccumulator, typename ElementInput, typename ElementAux, int FragmentSize>
     CUTLASS_DEVICE Array<uint32_t, FragmentSize> visit(Array<ElementAccumulator, FragmentSize> const&, int epi_v,
-                                                       int epi_m, int epi_n,
+                                                       int, int,
                                                        Array<ElementInput, FragmentSize> const& frg_dh,
                                                        Array<ElementAux, FragmentSize> const& frg_pre) {
       Array<uint32_t, FragmentSize> out;
-      float beta = params->betas.beta, linear_beta = params->betas.linear_beta;
-      float inv_beta = 1.0f / beta, inv_linear_beta = 1.0f / linear_beta;
+      SituBetas const& betas = params->betas;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
+        int k = epi_v * FragmentSize + i;
         float dh = static_cast<float>(frg_dh[i]);
         uint32_t pair = static_cast<uint32_t>(frg_pre[i]);
         float a = __uint_as_float(pair << 16), c = __uint_as_float(pair & 0xffff0000u);  // bf16 -> fp32
-        SituTerms t(a, c, inv_beta, inv_linear_beta);
-        float g = t.gate(beta), h = t.up(linear_beta);
-        bool second = rows.template second<FragmentSize>(epi_v, i, epi_m, epi_n);
-        float s = second ? rows.s1 : rows.s0;
-        float term = dh * g * h;
-        ds0 += second ? 0.0f : term;
-        ds1 += second ? term : 0.0f;
-        float dsh = dh * s;
+        SituTerms t(a, c, betas.inv_beta, betas.inv_linear_beta);
+        float beta = betas.beta;
+        float g = t.gate(beta), h = t.up(betas.linear_beta);
+        ds_part[k] = fmaf(dh, g * h, ds_part[k]);
+        float dsh = dh * rows.scale[k];
         uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(dsh * h * t.dgate(beta)));
         uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(dsh * g * t.dup()));
         out[i] = lo | (hi << 16);
@@ -330,6 +338,13 @@ struct Sm90Compute<SituBackwardPairs, uint32_t, float, RoundStyle> : NoWorkspace
     // The quad's four lanes hold the same two rows: sum over them, and lane 0 of the quad writes.
     CUTLASS_DEVICE void end() {
       if (params->ds == nullptr) return;
+      float ds0 = 0.0f, ds1 = 0.0f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < ThreadRows<CTensor>::kN; ++k) {
+        bool on_second = (rows.second >> k) & 1u;
+        ds0 += on_second ? 0.0f : ds_part[k];
+        ds1 += on_second ? ds_part[k] : 0.0f;
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int lane_mask = 1; lane_mask <= 2; lane_mask <<= 1) {
         ds0 += __shfl_xor_sync(0xffffffffu, ds0, lane_mask);
@@ -352,7 +367,7 @@ struct Sm90Compute<SituBackwardPairs, uint32_t, float, RoundStyle> : NoWorkspace
     using TileShapeMNK = decltype(args.tile_shape_mnk);
     auto tC_c = tile_coordinates<ReferenceSrc, TileShapeMNK>(args);
     int64_t m0 = static_cast<int64_t>(cute::get<0>(args.tile_coord_mnkl)) * cute::size<0>(TileShapeMNK{});
-    return ConsumerStoreCallbacks<decltype(tC_c)>(TwoRows<decltype(tC_c)>(tC_c, m0, params_ptr->row_scale),
+    return ConsumerStoreCallbacks<decltype(tC_c)>(ThreadRows<decltype(tC_c)>(tC_c, m0, params_ptr->row_scale),
                                                   params_ptr);
   }
 };
