@@ -3,7 +3,7 @@
     python benchmarks/moe_components.py --json moe_components.json
 
 Pieces at bench-1B MoE dims by default (E=128, k=8, ℓ=512, I=256, 16384 tokens, natural routing):
-the dispatch (sort, counts, row gather), the sort and counts alone, the row gather and the weighted
+the dispatch (routing plan, row gather), the routing plan alone (``kernels.moe_plan``), the row gather and the weighted
 combine on each ``kernels.moe_permute`` backend (fused Triton, torch reference), the W13 and W2 grouped
 GEMMs, the fused SiTU-GLU and Quantile Balancing's histogram update (forward only); medians, ms.
 ``--permute-tiles 4096x4 16384x8 …`` also times the Triton gather and combine at each tile (elements of a
@@ -39,11 +39,12 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 from k3train.config.schema import ModelConfig  # noqa: E402
 from k3train.model.moe import RoutedExperts, grouped_linear  # noqa: E402
 from k3train.parallel.tensor_parallel import TPSpec  # noqa: E402
-from k3train.parallel.token_dispatcher import LocalTokenDispatcher, counts_of_sorted, stable_sort  # noqa: E402
+from k3train.parallel.token_dispatcher import LocalTokenDispatcher  # noqa: E402
 from kernels import grouped_gemm_sm90  # noqa: E402
 from kernels.grouped_wgrad import grouped_wgrad  # noqa: E402
 from kernels.grouped_wgrad import reference as wgrad_reference  # noqa: E402
 from kernels.moe_permute import combine_rows, dispatch_rows, triton_permute  # noqa: E402
+from kernels.moe_plan import routing_plan  # noqa: E402
 from kernels.qb_histogram import histogram_add  # noqa: E402
 from kernels.qb_histogram import reference as qb_reference  # noqa: E402
 from kernels.situ import situ_glu_interleaved, triton_situ  # noqa: E402
@@ -191,10 +192,9 @@ def main() -> None:
         # capture before this one leaves the CUDA generator unusable outside capture
         return gpu_ms(lambda: torch.autograd.grad(fn(), leaves, grad))
 
-    flat = idx.flatten()
     times = {
         "dispatch": fwd_bwd(lambda: disp.dispatch(z, idx)[0], z),
-        "sort+counts": gpu_ms(lambda: counts_of_sorted(stable_sort(flat, E)[0], E)),
+        "routing plan": gpu_ms(lambda: routing_plan(idx, E)),
         "grouped GEMM W13": fwd_bwd(lambda: grouped_linear(rows, experts.w13, offsets), rows, experts.w13),
         "SiTU-GLU": fwd_bwd(lambda: situ_glu_interleaved(gate_up), gate_up),
         "grouped GEMM W2": fwd_bwd(lambda: grouped_linear(hidden, experts.w2, offsets), hidden, experts.w2),
