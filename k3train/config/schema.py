@@ -167,8 +167,8 @@ class PrecisionConfig:
     # The routed experts' grouped GEMMs (``k3train.model.moe.grouped_gemm_configs``): "torch" (torch._grouped_mm
     # and the Triton wgrad), or kernels.grouped_gemm_sm90's CUTLASS kernels, an optional build for bf16 on sm_90:
     # "tiles:1" (the expert-tiled kernel, rows padded per expert: 1.30x the dense GEMMs against torch's 1.40x on
-    # bench-1B's MoE, docs/moe_notes.md §2), "cutlass:<i>", either with ":<j>" for the wgrad. One process's
-    # experts only (parallel.expert = 1).
+    # bench-1B's MoE, docs/moe_notes.md §2), "fused:1" (the same with SiTU in the products' epilogues: 1.24x),
+    # "cutlass:<i>", each with ":<j>" for the wgrad. One process's experts only (parallel.expert = 1).
     expert_gemm: str = "torch"
     # Quantization-aware training of routed experts (issue 5): MXFP4 weights, MXFP8 inputs.
     expert_qat: bool = False

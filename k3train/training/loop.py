@@ -206,8 +206,14 @@ class Trainer:
             print(f"Quantile Balancing: {how}{', re-scored' if m.qb_rescore_stride else ''} "
                   f"(model.qb_updates_per_step, model.qb_step_feedback, model.qb_rescore_stride)", flush=True)
             if (gemm := self.cfg.precision.expert_gemm) != "torch":
+                parsed = grouped_gemm_configs(gemm)
+                situ = ""
+                if parsed.situ_epilogue:
+                    situ = ("; SiTU in the products' epilogues" if self.device.type == "cuda" and
+                            not self.cfg.precision.expert_qat else
+                            "; SiTU in a pass of its own (the epilogues need CUDA and no expert QAT)")
                 print(f"Routed experts: grouped GEMMs on {gemm} (precision.expert_gemm), each expert's rows padded to "
-                      f"a multiple of {grouped_gemm_configs(gemm).row_tile}", flush=True)
+                      f"a multiple of {parsed.row_tile}{situ}", flush=True)
         if pipelined:
             from k3train.parallel.pipeline.runtime import PipelineSchedule
 

@@ -72,14 +72,16 @@ def test_mxfp8_recipe_trains_like_fp32(straight, tmp_path):
     assert any(got[s] != ref[s] for s in got), got
 
 
-def test_expert_tiled_gemm_trains_like_torch(straight, tmp_path):
-    """precision.expert_gemm=tiles:1 through the trainer (rows padded per expert to 64; on CPU the expert-tiled
-    kernel's torch reference): the first steps' losses match the torch._grouped_mm run's to 1e-4."""
+@pytest.mark.parametrize("gemm, situ", [("tiles:1", ""), ("fused:1", "; SiTU in a pass of its own")])
+def test_expert_tiled_gemm_trains_like_torch(straight, tmp_path, gemm, situ):
+    """precision.expert_gemm=tiles:1 or fused:1 through the trainer (rows padded per expert to 64; on CPU the
+    expert-tiled kernel's torch reference, SiTU its own pass, as the start-up line says): the first steps' losses
+    match the torch._grouped_mm run's to 1e-4."""
     out = tmp_path / "tiles"
-    proc = train(out, "precision.expert_gemm=tiles:1", "train.steps=20", "train.exit_after_steps=3",
+    proc = train(out, f"precision.expert_gemm={gemm}", "train.steps=20", "train.exit_after_steps=3",
                  "train.save_every=0", "train.log_every=1", "logging.console=true")
-    assert "Routed experts: grouped GEMMs on tiles:1 (precision.expert_gemm), each expert's rows padded to a " \
-           "multiple of 64" in proc.stdout
+    assert f"Routed experts: grouped GEMMs on {gemm} (precision.expert_gemm), each expert's rows padded to a " \
+           f"multiple of 64{situ}" in proc.stdout, proc.stdout[-2000:]
     got, ref = losses(out), losses(straight)
     assert sorted(got) == [1, 2, 3]
     assert all(abs(got[s] - ref[s]) < 1e-4 for s in got), (got, ref)
