@@ -370,6 +370,21 @@ template <int Mode>
 using ExpertTileStrideB = cute::conditional_t<Mode == 0, cute::Stride<int64_t, cute::_1, int64_t>,
                                               cute::Stride<cute::_1, int64_t, int64_t>>;
 
+// Those strides for A [M, K], B (N, K, g) in Mode's layout and D [M, N].
+template <int Mode>
+struct ExpertTileStrides {
+  ExpertTileStrideAD a, d;
+  ExpertTileStrideB<Mode> b;
+  ExpertTileStrides(int N, int K) : a{static_cast<int64_t>(K), {}, {}}, d{static_cast<int64_t>(N), {}, {}} {
+    int64_t nk = static_cast<int64_t>(N) * K;
+    if constexpr (Mode == 0) {
+      b = {static_cast<int64_t>(K), {}, nk};
+    } else {
+      b = {{}, static_cast<int64_t>(N), nk};
+    }
+  }
+};
+
 // One configuration (cluster of one CTA) in one mode on the expert-tile scheduler.
 template <bool PingPong, int TileM, int TileN, int TileK, int Mode>
 struct ExpertTiledGemm : PlainGemm<PingPong, TileM, TileN, TileK, 1, ExpertTileStrideAD, ExpertTileStrideB<Mode>,
@@ -378,15 +393,8 @@ struct ExpertTiledGemm : PlainGemm<PingPong, TileM, TileN, TileK, 1, ExpertTileS
 
   static typename Base::Gemm::Arguments arguments(const void* a, const void* b, void* d, const int* tile_expert,
                                                   int groups, int M, int N, int K, int sm_count) {
-    int64_t nk = static_cast<int64_t>(N) * K;
-    ExpertTileStrideB<Mode> sb;
-    if constexpr (Mode == 0) {
-      sb = {static_cast<int64_t>(K), {}, nk};
-    } else {
-      sb = {{}, static_cast<int64_t>(N), nk};
-    }
-    auto args = Base::arguments(a, {static_cast<int64_t>(K), {}, {}}, b, sb, d, {static_cast<int64_t>(N), {}, {}},
-                                M, N, K, groups, sm_count);
+    ExpertTileStrides<Mode> s(N, K);
+    auto args = Base::arguments(a, s.a, b, s.b, d, s.d, M, N, K, groups, sm_count);
     args.scheduler.tile_expert = tile_expert;
     return args;
   }

@@ -387,19 +387,11 @@ struct SituGemm : PlainGemm<true, 64, 256, 64, 1, ExpertTileStrideAD, ExpertTile
 
   static typename Gemm::Arguments arguments(const void* a, const void* b, void* d, const int* tile_expert, int groups,
                                             int M, int N, int K, int sm_count) {
-    int64_t nk = static_cast<int64_t>(N) * K;
-    ExpertTileStrideB<Mode> sb;
-    if constexpr (Mode == 0) {
-      sb = {static_cast<int64_t>(K), {}, nk};
-    } else {
-      sb = {{}, static_cast<int64_t>(N), nk};
-    }
-    ExpertTileStrideAD sd{static_cast<int64_t>(N), {}, {}};
+    ExpertTileStrides<Mode> s(N, K);
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kBatched,
                                   {M, N, K, groups},
-                                  {static_cast<const Bf16*>(a), ExpertTileStrideAD{static_cast<int64_t>(K), {}, {}},
-                                   static_cast<const Bf16*>(b), sb},
-                                  {{}, nullptr, sd, static_cast<ElementD*>(d), sd}};
+                                  {static_cast<const Bf16*>(a), s.a, static_cast<const Bf16*>(b), s.b},
+                                  {{}, nullptr, s.d, static_cast<ElementD*>(d), s.d}};
     args.hw_info.sm_count = sm_count;
     args.scheduler.tile_expert = tile_expert;
     return args;
