@@ -261,7 +261,8 @@ def main(argv=None):
     ap.add_argument("--grouped-gemms", default="torch",
                     help="grouped rows, one per grouped GEMM, comma-separated: torch, cutlass:<i> (forward and dgrad "
                          "by kernels.grouped_gemm_sm90's configuration i, experimental), tiles:<i> (its expert-tiled "
-                         "kernel, rows padded per expert), or either with :<j> (and the wgrad by configuration j)")
+                         "kernel, rows padded per expert), fused:1 (the same with SiTU in the products' epilogues), "
+                         "each with :<j> (and the wgrad by configuration j)")
     ap.add_argument("--plans", default="auto",
                     help="grouped rows for each routing-plan backend of kernels.moe_plan, comma-separated: auto "
                          "(the dispatcher's default: triton on a GPU), torch, triton")

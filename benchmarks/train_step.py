@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="also profile two steps (kernels by kind and time), of the last variant timed")
     ap.add_argument("--expert-gemm", default="torch",
                     help="the routed experts' grouped GEMMs, as the trainer's precision.expert_gemm: torch, or "
-                         "tiles:<t>/cutlass:<i>[:<j>] (kernels.grouped_gemm_sm90, its library built)")
+                         "tiles:<t>/fused:1/cutlass:<i>[:<j>] (kernels.grouped_gemm_sm90, its library built)")
     args = ap.parse_args(argv)
     if args.accum < 1:
         ap.error(f"--accum {args.accum}: at least one micro-batch a step")
