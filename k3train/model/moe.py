@@ -41,7 +41,7 @@ from kernels.grouped_gemm_sm90 import expert_tiled_situ_backward_op as cutlass_s
 from kernels.grouped_gemm_sm90 import expert_tiled_situ_forward_op as cutlass_situ_forward
 from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
 from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
-from kernels.grouped_wgrad import grouped_wgrad
+from kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_pair
 from kernels.moe_plan import group_offsets
 from kernels.situ import situ_glu_interleaved
 
@@ -148,8 +148,12 @@ class _SiTUExperts(torch.autograd.Function):
         gemm, grad_y = ctx.gemm, grad_y.contiguous()
         d_pre, d_scale = cutlass_situ_backward(grad_y, w2, pre, tile_expert, row_scale, *ctx.betas)
         grad_x = cutlass_expert_tiled_mm(d_pre, w13, tile_expert, gemm.mm)
-        grad_w13 = _grouped_wgrad(d_pre, x, offsets, gemm) if ctx.needs_input_grad[1] else None
-        grad_w2 = _grouped_wgrad(grad_y, h, offsets, gemm) if ctx.needs_input_grad[2] else None
+        want_w13, want_w2 = ctx.needs_input_grad[1:3]
+        if gemm.wgrad is None and want_w13 and want_w2:  # both in one launch
+            grad_w13, grad_w2 = grouped_wgrad_pair(d_pre, x, grad_y, h, offsets)
+        else:
+            grad_w13 = _grouped_wgrad(d_pre, x, offsets, gemm) if want_w13 else None
+            grad_w2 = _grouped_wgrad(grad_y, h, offsets, gemm) if want_w2 else None
         if d_scale is not None:
             d_scale = d_scale.to(row_scale.dtype)
         return grad_x, grad_w13, grad_w2, d_scale, None, None, None, None

@@ -28,10 +28,9 @@ INTERPRETER_BY_SIZE_BLOCK = 16  # several programs and column blocks in the CPU 
 
 
 @triton.jit
-def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr):
-    """G: descriptor of [M, O] with [BK, BM] blocks; X: of [M, C] with [BK, BN] blocks; DW [E, O, C]."""
-    pid = tl.program_id(0)
+def _wgrad_tile(G, X, DW, OFFSETS, ORDER, O, C, pid, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program ``pid``'s output tile: G, a descriptor of [M, O] with [BK, BM] blocks; X, of [M, C] with [BK, BN]
+    blocks; DW [E, O, C]."""
     tiles_c = tl.cdiv(C, BN)
     per_expert = tl.cdiv(O, BM) * tiles_c
     e = tl.load(ORDER + pid // per_expert)
@@ -54,6 +53,22 @@ def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: 
     c = c0 + tl.arange(0, BN)
     base = DW + e.to(tl.int64) * O * C  # the expert's [O, C] block; offsets within it fit 32 bits
     tl.store(base + (o[:, None] * C + c[None, :]), acc.to(DW.dtype.element_ty), mask=(o[:, None] < O) & (c[None, :] < C))
+
+
+@triton.jit
+def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    _wgrad_tile(G, X, DW, OFFSETS, ORDER, O, C, tl.program_id(0), BM, BN, BK)
+
+
+@triton.jit
+def _grouped_wgrad_pair_kernel(G1, X1, DW1, O1, C1, G2, X2, DW2, O2, C2, OFFSETS, ORDER, FIRST,
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Two weight gradients over the same groups: programs [0, FIRST) tile the first, the others the second."""
+    pid = tl.program_id(0)
+    if pid < FIRST:
+        _wgrad_tile(G1, X1, DW1, OFFSETS, ORDER, O1, C1, pid, BM, BN, BK)
+    else:
+        _wgrad_tile(G2, X2, DW2, OFFSETS, ORDER, O2, C2, pid - FIRST, BM, BN, BK)
 
 
 @triton.jit
@@ -87,22 +102,44 @@ def experts_by_size(offsets: torch.Tensor) -> torch.Tensor:
     return order
 
 
-def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles=None) -> torch.Tensor:
-    """g [M, O], x [M, C] (rows grouped by expert; contiguous, rows 16-byte aligned), offsets [E]
-    int32 cumulative → dW [E, O, C] in g.dtype. ``tiles``: (BM, BN, BK, warps, stages), else the defaults."""
-    BM, BN, BK, warps, stages = tiles or (INTERPRETER_TILES if g.device.type == "cpu" else GPU_TILES)
-    M, O = g.shape
-    C = x.shape[1]
-    E = offsets.shape[0]
-    if M == 0:
-        return torch.zeros(E, O, C, dtype=g.dtype, device=g.device)
+def _product(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles) -> tuple:
+    """One weight gradient's kernel arguments (G's and X's descriptors, dW [E, O, C] uninitialised, O, C) and its
+    programs."""
+    BM, BN, BK = tiles[:3]
+    (M, O), C, E = g.shape, x.shape[1], offsets.shape[0]
     if O * C >= 2**31:
         raise ValueError(f"an expert's weight [{O}, {C}] has 2^31 elements or more: the kernel's offsets are 32-bit")
     dw = torch.empty(E, O, C, dtype=g.dtype, device=g.device)
-    order = experts_by_size(offsets)
-    g_desc = TensorDescriptor.from_tensor(g, [BK, BM])
-    x_desc = TensorDescriptor.from_tensor(x, [BK, BN])
-    grid = (E * triton.cdiv(O, BM) * triton.cdiv(C, BN),)
-    _grouped_wgrad_kernel[grid](g_desc, x_desc, dw, offsets, order, O, C, BM=BM, BN=BN, BK=BK,
-                                num_warps=warps, num_stages=stages)
+    args = (TensorDescriptor.from_tensor(g, [BK, BM]), TensorDescriptor.from_tensor(x, [BK, BN]), dw, O, C)
+    return args, E * triton.cdiv(O, BM) * triton.cdiv(C, BN)
+
+
+def _tiles(g: torch.Tensor, tiles):
+    return tiles or (INTERPRETER_TILES if g.device.type == "cpu" else GPU_TILES)
+
+
+def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles=None) -> torch.Tensor:
+    """g [M, O], x [M, C] (rows grouped by expert; contiguous, rows 16-byte aligned), offsets [E]
+    int32 cumulative → dW [E, O, C] in g.dtype. ``tiles``: (BM, BN, BK, warps, stages), else the defaults."""
+    BM, BN, BK, warps, stages = tiles = _tiles(g, tiles)
+    if g.shape[0] == 0:
+        return torch.zeros(offsets.shape[0], g.shape[1], x.shape[1], dtype=g.dtype, device=g.device)
+    (g_desc, x_desc, dw, O, C), programs = _product(g, x, offsets, tiles)
+    _grouped_wgrad_kernel[(programs,)](g_desc, x_desc, dw, offsets, experts_by_size(offsets), O, C, BM=BM, BN=BN,
+                                       BK=BK, num_warps=warps, num_stages=stages)
     return dw
+
+
+def grouped_wgrad_pair(g1: torch.Tensor, x1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor, offsets: torch.Tensor,
+                       tiles=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``grouped_wgrad``(g1, x1), ``grouped_wgrad``(g2, x2)) over the same groups in one launch: one by-size
+    order, and the second's programs fill the first's last wave."""
+    BM, BN, BK, warps, stages = tiles = _tiles(g1, tiles)
+    if g1.shape[0] == 0:
+        return grouped_wgrad(g1, x1, offsets, tiles), grouped_wgrad(g2, x2, offsets, tiles)
+    first, programs1 = _product(g1, x1, offsets, tiles)
+    second, programs2 = _product(g2, x2, offsets, tiles)
+    _grouped_wgrad_pair_kernel[(programs1 + programs2,)](*first, *second, offsets, experts_by_size(offsets),
+                                                         programs1, BM=BM, BN=BN, BK=BK, num_warps=warps,
+                                                         num_stages=stages)
+    return first[2], second[2]

@@ -14,7 +14,7 @@ from triton_cpu import rerun_under_interpreter, triton_cpu
 
 from k3train.model.moe import grouped_linear
 from kernels.backend import triton_on_cpu
-from kernels.grouped_wgrad import grouped_wgrad
+from kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_pair
 from kernels.grouped_wgrad import reference as R
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,6 +71,29 @@ def test_triton_experts_by_size_is_a_stable_descending_argsort(counts):
     got = experts_by_size(offsets.to(DEV))
     assert got.dtype == torch.int32
     assert torch.equal(got.cpu().long(), torch.tensor(counts).argsort(descending=True, stable=True))
+
+
+@triton_cpu
+@pytest.mark.parametrize("counts", COUNTS, ids=str)
+def test_triton_pair_matches_reference(counts):
+    """grouped_wgrad_pair: two products of different widths over the same groups, in one launch, each equal to the
+    per-expert reference."""
+    g1, x1, offsets = _inputs(counts, 40, 24, seed=11, dtype=DTYPE, device=DEV)
+    g2, x2, _ = _inputs(counts, 136, 16, seed=12, dtype=DTYPE, device=DEV)
+    with triton_on_cpu():
+        got = grouped_wgrad_pair(g1, x1, g2, x2, offsets, backend="triton")
+    for dw, g, x in zip(got, (g1, g2), (x1, x2)):
+        assert dw.dtype == DTYPE and dw.is_contiguous()
+        _assert_near(dw, R.grouped_wgrad(g.cpu().double(), x.cpu().double(), offsets.cpu()))
+    with pytest.raises(ValueError, match="share rows"):
+        grouped_wgrad_pair(g1, x1, g2[1:], x2[1:], offsets)
+
+
+@triton_cpu
+def test_triton_pair_custom_op_opcheck():
+    g1, x1, offsets = _inputs([7, 0, 12], 16, 8, seed=4, dtype=DTYPE, device=DEV)
+    g2, x2, _ = _inputs([7, 0, 12], 8, 24, seed=5, dtype=DTYPE, device=DEV)
+    torch.library.opcheck(torch.ops.k3.grouped_wgrad_pair.default, (g1, x1, g2, x2, offsets))
 
 
 @triton_cpu
