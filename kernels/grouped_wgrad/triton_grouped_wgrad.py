@@ -66,9 +66,11 @@ def _grouped_wgrad_pair_kernel(G1, X1, DW1, O1, C1, G2, X2, DW2, O2, C2, OFFSETS
     """Two weight gradients over the same groups: programs [0, FIRST) tile the first, the others the second."""
     pid = tl.program_id(0)
     if pid < FIRST:
-        _wgrad_tile(G1, X1, DW1, OFFSETS, ORDER, O1, C1, pid, BM, BN, BK)
+        G, X, DW, O, C = G1, X1, DW1, O1, C1
     else:
-        _wgrad_tile(G2, X2, DW2, OFFSETS, ORDER, O2, C2, pid - FIRST, BM, BN, BK)
+        G, X, DW, O, C = G2, X2, DW2, O2, C2
+        pid -= FIRST
+    _wgrad_tile(G, X, DW, OFFSETS, ORDER, O, C, pid, BM, BN, BK)
 
 
 @triton.jit

@@ -8,6 +8,11 @@ matmul in another order); bf16 (GPU) to within 1e-2, an eighth of a bf16 ulp of 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from triton_cpu import rerun_under_interpreter, triton_cpu
@@ -17,6 +22,7 @@ from kernels.backend import triton_on_cpu
 from kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_pair
 from kernels.grouped_wgrad import reference as R
 
+REPO = Path(__file__).resolve().parents[2]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 RTOL = 1e-2 if DEV == "cuda" else 1e-5
@@ -173,6 +179,41 @@ def test_errors():
         grouped_wgrad(g[:, :6], x, offsets)
     with pytest.raises(ValueError, match="backend"):
         grouped_wgrad(g, x, offsets, backend="cuda")
+
+
+_SHARED_MEMORY_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.grouped_wgrad import triton_grouped_wgrad as m
+
+BM, BN, BK, warps, stages = m.GPU_TILES
+G, X = f"tensordesc<bf16[{BK}, {BM}]>", f"tensordesc<bf16[{BK}, {BN}]>"
+one = dict(G=G, X=X, DW="*bf16", OFFSETS="*i32", ORDER="*i32", O="i32", C="i32")
+pair = dict(G1=G, X1=X, DW1="*bf16", O1="i32", C1="i32", G2=G, X2=X, DW2="*bf16", O2="i32", C2="i32",
+            OFFSETS="*i32", ORDER="*i32", FIRST="i32")
+for kernel, signature in ((m._grouped_wgrad_kernel, one), (m._grouped_wgrad_pair_kernel, pair)):
+    signature.update(BM="constexpr", BN="constexpr", BK="constexpr")
+    src = ASTSource(kernel, signature, constexprs=dict(BM=BM, BN=BN, BK=BK))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    print(kernel.fn.__name__, compiled.metadata.shared)
+"""
+
+
+def test_gpu_tiles_fit_hopper_shared_memory():
+    """Both kernels compiled for sm_90 at ``GPU_TILES`` (no GPU needed: Triton's own ptxas) ask for no more
+    shared memory than an H100/H200 block may have, 227 KiB. The interpreter does not model shared memory, so a
+    pair kernel whose two branches each kept their own pipeline buffers (288 KiB) passed every CPU test and
+    failed at launch on the GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", _SHARED_MEMORY_CHECK], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shared = {name: int(n) for name, n in (line.split() for line in r.stdout.split("\n") if line)}
+    assert set(shared) == {"_grouped_wgrad_kernel", "_grouped_wgrad_pair_kernel"}, r.stdout
+    assert max(shared.values()) <= 227 * 1024, shared
+    # one pipeline's buffers: the pair kernel shares them between its two products
+    assert shared["_grouped_wgrad_pair_kernel"] == shared["_grouped_wgrad_kernel"], shared
 
 
 def test_triton_cpu_subprocess():
