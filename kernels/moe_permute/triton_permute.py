@@ -1,5 +1,5 @@
-"""Triton MoE token permutation: dispatch and combine, each one launch forward and one backward (the padded
-layout adds one store-only launch that zeroes its padding rows).
+"""Triton MoE token permutation: dispatch and combine, each one launch forward and one backward (in the padded
+layout, dispatch's forward and combine's backward also zero the padding rows, in programs of the same launch).
 
 Every kernel runs one program per block of BLOCK_T tokens and loops over ℓ in BLOCK_L columns.
 A program reads its tokens' k grouped-row indices r[i, j] = inverse[i·k + j] (a [BLOCK_T, KP]
@@ -51,20 +51,26 @@ def _copies(INV, N, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr
 
 
 @triton.jit
-def _zero_rows_kernel(X, ROWS, P, L, stride_x, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_L: tl.constexpr):
-    """x[rows[p]] = 0 for the P listed rows (``_copies`` with one copy a "token")."""
-    t, r, tmask, cmask = _copies(ROWS, P, TOP_K, KP, BLOCK_T)
+def _zero_pad_rows(X, PAD_ROWS, P, L, stride_x, q, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+    """x[pad_rows[p]] = 0 for padding program q's BLOCK_T·KP entries p of the P listed rows (the tile of a
+    program's copies)."""
+    p = q.to(tl.int64) * (BLOCK_T * KP) + tl.arange(0, BLOCK_T)[:, None] * KP + tl.arange(0, KP)[None, :]
+    r = tl.load(PAD_ROWS + p, mask=p < P, other=0).to(tl.int64)
     for l0 in range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
         zeros = tl.zeros((BLOCK_T, KP, BLOCK_L), dtype=X.dtype.element_ty)
         tl.store(X + r[:, :, None] * stride_x + cols[None, None, :], zeros,
-                 mask=cmask[:, :, None] & (cols < L)[None, None, :])
+                 mask=(p < P)[:, :, None] & (cols < L)[None, None, :])
 
 
 @triton.jit
-def _dispatch_fwd_kernel(Z, INV, X, N, L, stride_z, stride_x, TOP_K: tl.constexpr, KP: tl.constexpr,
+def _dispatch_fwd_kernel(Z, INV, X, PAD_ROWS, N, P, L, stride_z, stride_x, TOP_K: tl.constexpr, KP: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Programs [0, ⌈N / BLOCK_T⌉) copy tokens; the rest zero the P padding rows ``PAD_ROWS``."""
+    token_programs = tl.cdiv(N, BLOCK_T)
+    if tl.program_id(0) >= token_programs:
+        _zero_pad_rows(X, PAD_ROWS, P, L, stride_x, tl.program_id(0) - token_programs, KP, BLOCK_T, BLOCK_L)
+        return
     t, r, tmask, cmask = _copies(INV, N, TOP_K, KP, BLOCK_T)
     for l0 in range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
@@ -105,9 +111,15 @@ def _combine_fwd_kernel(Y, W, INV, U, N, L, stride_y, stride_u, TOP_K: tl.conste
 
 
 @triton.jit
-def _combine_bwd_kernel(DU, Y, W, INV, DY, DW, N, L, stride_du, stride_y, stride_dy,
+def _combine_bwd_kernel(DU, Y, W, INV, DY, DW, PAD_ROWS, N, P, L, stride_du, stride_y, stride_dy,
                         TOP_K: tl.constexpr, KP: tl.constexpr, NEED_DY: tl.constexpr,
                         NEED_DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Programs [0, ⌈N / BLOCK_T⌉) take tokens; the rest (NEED_DY) zero dy's P padding rows ``PAD_ROWS``."""
+    token_programs = tl.cdiv(N, BLOCK_T)
+    if NEED_DY:
+        if tl.program_id(0) >= token_programs:
+            _zero_pad_rows(DY, PAD_ROWS, P, L, stride_dy, tl.program_id(0) - token_programs, KP, BLOCK_T, BLOCK_L)
+            return
     t, r, tmask, cmask = _copies(INV, N, TOP_K, KP, BLOCK_T)
     wofs = t[:, None] * TOP_K + tl.arange(0, KP)[None, :]
     if NEED_DY:
@@ -135,8 +147,9 @@ def interpreter_active() -> bool:
     return isinstance(_dispatch_fwd_kernel, InterpretedFunction)
 
 
-def _launch(n: int, ell: int, top_k: int, t: torch.Tensor):
-    """(grid, launch options) for n tokens of k copies of ℓ columns on t's device."""
+def _launch(n: int, ell: int, top_k: int, t: torch.Tensor, pad: int = 0):
+    """(grid, launch options) for n tokens of k copies of ℓ columns on t's device, and programs for ``pad``
+    padding rows after the tokens' (as many rows a program as a token program has copies)."""
     kp = triton.next_power_of_2(top_k)
     if t.is_cuda:
         bl = min(GPU_MAX_BLOCK_L, max(16, triton.next_power_of_2(ell)))
@@ -147,7 +160,8 @@ def _launch(n: int, ell: int, top_k: int, t: torch.Tensor):
         raise RuntimeError("the Triton MoE permute kernels got a CPU tensor, but Triton's interpreter "
                            "is off: set TRITON_INTERPRET=1 before triton is imported, or use "
                            "backend='torch'")
-    return (triton.cdiv(n, bt),), {"TOP_K": top_k, "KP": kp, "BLOCK_T": bt, "BLOCK_L": bl, **opts}
+    return (triton.cdiv(n, bt) + triton.cdiv(pad, bt * kp),), {"TOP_K": top_k, "KP": kp, "BLOCK_T": bt,
+                                                                "BLOCK_L": bl, **opts}
 
 
 def _check(rows: tuple[torch.Tensor, ...], inverse: torch.Tensor, n: int, top_k: int) -> None:
@@ -164,15 +178,12 @@ def _check(rows: tuple[torch.Tensor, ...], inverse: torch.Tensor, n: int, top_k:
                          f"{tuple(inverse.shape)} {inverse.dtype}")
 
 
-def _zero_padding(rows: torch.Tensor, pad_rows: torch.Tensor | None) -> torch.Tensor:
-    """rows with its padding rows (the rows no token copy maps to) set to 0: one store-only launch
-    (``index_fill_`` took 0.013 ms for 16k of bench-1B's rows of 512 on an H200)."""
-    if pad_rows is None or not pad_rows.numel() or not rows.shape[1]:
-        return rows
-    _check((rows,), pad_rows, pad_rows.numel(), 1)
-    grid, meta = _launch(pad_rows.numel(), rows.shape[1], 1, rows)
-    _zero_rows_kernel[grid](rows, pad_rows, pad_rows.numel(), rows.shape[1], rows.stride(0), **meta)
-    return rows
+def _padding(pad_rows: torch.Tensor | None, inverse: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(PAD_ROWS, P) kernel arguments: ``pad_rows`` and its length, or a dummy pointer and 0."""
+    if pad_rows is None:
+        return inverse, 0
+    _check((), pad_rows, pad_rows.numel(), 1)
+    return pad_rows, pad_rows.numel()
 
 
 def dispatch_forward(z: torch.Tensor, inverse: torch.Tensor, top_k: int,
@@ -181,12 +192,12 @@ def dispatch_forward(z: torch.Tensor, inverse: torch.Tensor, top_k: int,
     ``pad_rows`` (none by default) zero."""
     n, ell = z.shape
     _check((z,), inverse, n, top_k)
-    pad = 0 if pad_rows is None else pad_rows.numel()
+    pad_arg, pad = _padding(pad_rows, inverse)
     x = torch.empty((n * top_k + pad, ell), dtype=z.dtype, device=z.device)
-    if n and ell:
-        grid, meta = _launch(n, ell, top_k, z)
-        _dispatch_fwd_kernel[grid](z, inverse, x, n, ell, z.stride(0), x.stride(0), **meta)
-    return _zero_padding(x, pad_rows)
+    if (n or pad) and ell:
+        grid, meta = _launch(n, ell, top_k, z, pad)
+        _dispatch_fwd_kernel[grid](z, inverse, x, pad_arg, n, pad, ell, z.stride(0), x.stride(0), **meta)
+    return x
 
 
 def dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int,
@@ -226,17 +237,17 @@ def combine_backward(du: torch.Tensor, y: torch.Tensor | None, weights: torch.Te
     n, ell = du.shape
     need_dy, need_dw = weights is not None, y is not None
     _check((du,) + ((y,) if need_dw else ()), inverse, n, top_k)
-    pad = 0 if pad_rows is None else pad_rows.numel()
+    pad_arg, pad = _padding(pad_rows, inverse)
     if need_dy and (weights.shape != (n, top_k) or not weights.is_contiguous()):
         raise ValueError(f"weights must be contiguous [{n}, {top_k}], got {tuple(weights.shape)}")
     if need_dw and y.shape != (n * top_k + pad, ell):
         raise ValueError(f"y must be [{n}·{top_k} + {pad}, {ell}], got {tuple(y.shape)}")
     dy = torch.empty((n * top_k + pad, ell), dtype=y_dtype, device=du.device) if need_dy else None
     dw = torch.empty((n, top_k), dtype=w_dtype, device=du.device) if need_dw else None
-    if n and (need_dy or need_dw):
-        grid, meta = _launch(n, ell, top_k, du)
+    if (n or (pad and need_dy)) and (need_dy or need_dw):
+        grid, meta = _launch(n, ell, top_k, du, pad if need_dy else 0)
         _combine_bwd_kernel[grid](du, y if need_dw else du, weights if need_dy else du, inverse,
-                                  dy if need_dy else du, dw if need_dw else du, n, ell, du.stride(0),
+                                  dy if need_dy else du, dw if need_dw else du, pad_arg, n, pad, ell, du.stride(0),
                                   y.stride(0) if need_dw else 0, dy.stride(0) if need_dy else 0,
                                   NEED_DY=need_dy, NEED_DW=need_dw, **meta)
-    return (_zero_padding(dy, pad_rows) if need_dy else None), dw
+    return dy, dw

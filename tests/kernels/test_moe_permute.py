@@ -185,8 +185,9 @@ def test_triton_strided_rows_and_partial_grads():
 def test_triton_padded_layout(backend):
     """A grouped layout with P padding rows among its N·k + P (``pad_rows``, what the expert-tiled GEMMs
     need): dispatch writes zeros there, combine never reads them (NaN there changes nothing) and gives them
-    zero gradients; the other rows match the unpadded layout's exactly."""
-    N, E, k, ell, P = 23, 6, 3, 37, 11
+    zero gradients; the other rows match the unpadded layout's exactly. The Triton kernels zero them in programs
+    of their own launch after the tokens' (on CPU 16 rows a program: P = 37 takes three, the last partly)."""
+    N, E, k, ell, P = 23, 6, 3, 37, 37
     _, order, inverse = routing(N, E, k, seed=60)
     g = torch.Generator().manual_seed(61)
     shuffled = torch.randperm(N * k + P, generator=g)
@@ -206,20 +207,23 @@ def test_triton_padded_layout(backend):
     for got, ref in ((x_p[real_rows], want[0]), (dz, want[1]), (u, want[2]), (dy_p[real_rows], want[3]),
                      (dw, want[4])):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"N·k \+ 11"):
+    with pytest.raises(ValueError, match=r"N·k \+ 37"):
         combine_rows(y, w, order, inverse_p, backend=backend, pad_rows=pad_rows)
 
 
 @triton_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_zero_padding_clears_only_the_listed_rows(dtype):
-    """The padded layout's zeroing kernel on random rows (not a fresh buffer): the listed rows, unsorted,
-    become 0, every other row is untouched."""
-    from kernels.moe_permute.triton_permute import _zero_padding
-    rows = random_input((40, 37), 70, dtype)
-    pad = torch.tensor([3, 17, 0, 39, 22, 5], device=DEV)
-    want = rows.clone().index_fill_(0, pad, 0)
-    assert torch.equal(_zero_padding(rows.clone(), pad), want) and want.any()
+def test_triton_padding_rows_only(dtype):
+    """No token (N = 0) and P padding rows, unsorted: dispatch's forward and combine's backward launch only their
+    padding programs, and every row comes out 0."""
+    from kernels.moe_permute.triton_permute import combine_backward, dispatch_forward
+    pad = torch.randperm(37, generator=torch.Generator().manual_seed(73)).to(DEV)
+    empty = torch.empty(0, dtype=torch.long, device=DEV)
+    x = dispatch_forward(random_input((0, 37), 70, dtype), empty, 2, pad)
+    dy, _ = combine_backward(random_input((0, 37), 71, dtype), None, random_input((0, 2), 72, dtype), empty, 2,
+                             dtype, dtype, pad)
+    for rows in (x, dy):
+        assert rows.shape == (pad.numel(), 37) and rows.dtype == dtype and not rows.any()
 
 
 @triton_cpu
