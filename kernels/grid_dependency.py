@@ -12,8 +12,11 @@ memory, so:
   (a predecessor signals once all its programs have started, so none of its programs waits for a slot that a
   waiting dependent holds).
 
-Kernels launched without the attribute (cuBLAS, CUTLASS, torch's) keep the plain stream order on both sides.
-Stream capture keeps the dependency as a programmatic edge of the CUDA graph.
+The CUTLASS expert-tiled products (``kernels.grouped_gemm_sm90``, built with ``CUTLASS_ENABLE_GDC_FOR_SM90``)
+launch the same way: CUTLASS's kernels wait before their first loads and signal as their mainloops end, and the
+expert tile scheduler waits before it reads ``tile_expert``. Kernels launched without the attribute (cuBLAS,
+torch's, the other CUTLASS paths) keep the plain stream order on both sides. Stream capture keeps the dependency
+as a programmatic edge of the CUDA graph.
 
 Opt-in (``K3_PDL=1`` in the environment, read at each launch) until it is measured on a GPU: the CPU tests only
 compile the kernels for sm_90 with it on (``tests/kernels/test_grid_dependency.py``).
@@ -38,11 +41,15 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
         gdc_wait()
 
 
+def enabled(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with PDL: ``K3_PDL=1`` and a CUDA device of compute capability 9.0 or
+    newer (the interpreter runs no PTX)."""
+    return os.environ.get("K3_PDL") == "1" and t.is_cuda and _hopper_or_newer(t.device.index)
+
+
 def launch_options(t: torch.Tensor) -> dict:
-    """The ``PDL`` constexpr and Triton's ``launch_pdl`` option for a kernel on t's device: on with ``K3_PDL=1`` for
-    CUDA devices of compute capability 9.0 and newer, off elsewhere (the interpreter runs no PTX)."""
-    on = os.environ.get("K3_PDL") == "1" and t.is_cuda and _hopper_or_newer(t.device.index)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    """The ``PDL`` constexpr and Triton's ``launch_pdl`` option for a Triton kernel on t's device (``enabled``)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
 
 
 @functools.cache

@@ -58,7 +58,8 @@ def _wgrad_tile(G, X, DW, OFFSETS, ORDER, O, C, pid, BM: tl.constexpr, BN: tl.co
 
 
 @triton.jit
-def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     _wgrad_tile(G, X, DW, OFFSETS, ORDER, O, C, tl.program_id(0), BM, BN, BK)
 

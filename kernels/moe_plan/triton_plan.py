@@ -52,7 +52,8 @@ def _block_counts_kernel(KEYS, N_BLOCK, M, NB, G, BLOCK: tl.constexpr, GP: tl.co
 
 
 @triton.jit
-def _scan_blocks_kernel(N_BLOCK, BEFORE, COUNTS, GROUP_ROWS, NB, T: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _scan_blocks_kernel(N_BLOCK, BEFORE, COUNTS, GROUP_ROWS, NB, T: tl.constexpr, CHUNK: tl.constexpr,
+                        PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     g = tl.program_id(0).to(tl.int64)
     total = tl.sum(tl.zeros((CHUNK,), dtype=tl.int32), axis=0)

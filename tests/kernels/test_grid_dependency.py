@@ -31,8 +31,10 @@ PERMUTE = dict(TOP_K=8, KP=8, BLOCK_T=2, BLOCK_L=512)
 WGRAD = dict(BM=128, BN=256, BK=64)
 KERNELS = [
     (triton_permute._dispatch_fwd_kernel, PERMUTE), (triton_permute._dispatch_bwd_kernel, PERMUTE),
-    (triton_permute._combine_fwd_kernel, PERMUTE), (triton_permute._combine_bwd_kernel, dict(PERMUTE, NEED_DY=True, NEED_DW=True)),
-    (triton_plan._block_counts_kernel, dict(BLOCK=128, GP=128)), (triton_plan._scan_blocks_kernel, dict(T=64, CHUNK=1024)),
+    (triton_permute._combine_fwd_kernel, PERMUTE),
+    (triton_permute._combine_bwd_kernel, dict(PERMUTE, NEED_DY=True, NEED_DW=True)),
+    (triton_plan._block_counts_kernel, dict(BLOCK=128, GP=128)),
+    (triton_plan._scan_blocks_kernel, dict(T=64, CHUNK=1024)),
     (triton_plan._group_starts_kernel, dict(GP=128)), (triton_plan._place_kernel, dict(BLOCK=128, TP=64)),
     (triton_plan._group_offsets_kernel, dict(T=64, GP=128, TB=128)),
     (triton_grouped_wgrad._by_size_kernel, dict(BLOCK=128)), (triton_grouped_wgrad._grouped_wgrad_kernel, WGRAD),
