@@ -141,7 +141,8 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     else:
         raise RuntimeError("the Triton routing-plan kernels got a CPU tensor, but Triton's interpreter is off: "
                            "set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
-    opts.update(launch_options(keys))
+    pdl = launch_options(keys)
+    opts.update(pdl)
     nb = triton.cdiv(m, block)
     order, inverse = (torch.empty(m, dtype=torch.int64, device=dev) for _ in range(2))
     counts, group_rows = (torch.empty(groups, dtype=torch.int64, device=dev) for _ in range(2))
@@ -155,8 +156,8 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     starts = torch.empty(3, groups, dtype=torch.int64, device=dev)
     _block_counts_kernel[(nb,)](keys, n_block, m, nb, groups, BLOCK=block, GP=gp, **opts)
     _scan_blocks_kernel[(groups,)](n_block, before, counts, group_rows, nb, T=row_tile,
-                                   CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(nb)), **launch_options(keys))
-    _group_starts_kernel[(1,)](counts, group_rows, starts, groups, GP=gp, **launch_options(keys))
+                                   CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(nb)), **pdl)
+    _group_starts_kernel[(1,)](counts, group_rows, starts, groups, GP=gp, **pdl)
     tp = triton.next_power_of_2(row_tile)
     pad_programs = groups + triton.cdiv(rows - m, tp) if rows > m else 0
     _place_kernel[(nb + pad_programs,)](keys, before, counts, group_rows, starts, order, inverse, pad_rows, m, nb,
