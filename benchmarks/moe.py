@@ -18,8 +18,7 @@ CUDA kernels and their ms per fwd+bwd (torch.profiler over eager calls) to the o
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
 * grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm); with
   ``--grouped-gemms torch,cutlass:0,...`` one such row per grouped GEMM (``RoutedExperts.grouped_gemm``), and with
-  ``--plans torch,auto`` one per routing-plan backend (``LocalTokenDispatcher.plan_backend``), and with
-  ``--pdl off,on`` each also with programmatic dependent launch (``K3_PDL=1``, ``kernels.grid_dependency``).
+  ``--plans torch,auto`` one per routing-plan backend (``LocalTokenDispatcher.plan_backend``).
 * megatron: Megatron-Core's experts between its ``permute``/``unpermute`` (moe_utils, the
   unfused path): TEGroupedMLP where Transformer Engine imports, else GroupedMLP where the
   ``grouped_gemm`` package imports, else SequentialMLP (a ColumnParallelLinear/RowParallelLinear
@@ -38,7 +37,6 @@ with SiTU's beta, beta_lin -> infinity (= SwiGLU); a megatron row over the limit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -68,31 +66,10 @@ IMPLS = {"loop", "grouped", "megatron"}
 SWIGLU_BETA = 1e6  # SiTU(a, c) -> silu(a) * c as beta, beta_lin -> infinity
 
 
-def grouped_name(gemm: str, plan: str = "auto", pdl: str = "off") -> str:
+def grouped_name(gemm: str, plan: str = "auto") -> str:
     """The grouped row's impl name: "grouped" on torch's grouped GEMM and the dispatcher's default routing plan,
-    "grouped cutlass:<i>" on another GEMM, "... plan:torch" on another plan backend, "... pdl" with programmatic
-    dependent launch."""
-    return (("grouped" if gemm == "torch" else f"grouped {gemm}") + ("" if plan == "auto" else f" plan:{plan}")
-            + ("" if pdl == "off" else " pdl"))
-
-
-def grouped_variants(gemms: list[str], plans: list[str], pdls: list[str]):
-    """(gemm, plan, pdl) of each grouped row, in order."""
-    return [(g, p, d) for g in gemms for p in plans for d in pdls]
-
-
-@contextlib.contextmanager
-def pdl_env(pdl: str):
-    """K3_PDL=1 within, for "on" (``kernels.grid_dependency`` reads it at each launch)."""
-    before = os.environ.pop("K3_PDL", None)
-    if pdl == "on":
-        os.environ["K3_PDL"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop("K3_PDL", None)
-        if before is not None:
-            os.environ["K3_PDL"] = before
+    "grouped cutlass:<i>" on another GEMM, "... plan:torch" on another plan backend."""
+    return ("grouped" if gemm == "torch" else f"grouped {gemm}") + ("" if plan == "auto" else f" plan:{plan}")
 
 
 def failure(e: Exception) -> str:
@@ -289,8 +266,6 @@ def main(argv=None):
     ap.add_argument("--plans", default="auto",
                     help="grouped rows for each routing-plan backend of kernels.moe_plan, comma-separated: auto "
                          "(the dispatcher's default: triton on a GPU), torch, triton")
-    ap.add_argument("--pdl", default="off",
-                    help="grouped rows without (off) and/or with (on) programmatic dependent launch, comma-separated")
     ap.add_argument("--profile", action="store_true",
                     help="also list each row's CUDA kernels with their ms per fwd+bwd (torch.profiler, eager)")
     ap.add_argument("--json", default="moe_bench.json")
@@ -302,9 +277,6 @@ def main(argv=None):
     plans = args.plans.split(",")
     if unknown := set(plans) - {"auto", "torch", "triton"}:
         ap.error(f"--plans: unknown {sorted(unknown)}; choose from ['auto', 'torch', 'triton']")
-    pdls = args.pdl.split(",")
-    if unknown := set(pdls) - {"off", "on"}:
-        ap.error(f"--pdl: unknown {sorted(unknown)}; choose from ['off', 'on']")
     for gemm in gemms:
         try:
             grouped_gemm_configs(gemm)
@@ -371,13 +343,14 @@ def main(argv=None):
 
             reference = out_and_grads(loop, leaves, dout)
             checks[kind] = {}
-            for gemm, plan, pdl in grouped_variants(gemms, plans, pdls):
-                routed.grouped_gemm, dispatcher.plan_backend = gemm, plan
-                name = grouped_name(gemm, plan, pdl)
-                with pdl_env(pdl):
+            for gemm in gemms:
+                routed.grouped_gemm = gemm
+                for plan in plans:
+                    dispatcher.plan_backend = plan
+                    name = grouped_name(gemm, plan)
                     checks[kind][name] = err = compare(out_and_grads(grouped, leaves, dout), reference)
-                print(f"check {kind} {name} vs loop: {err}", flush=True)
-                assert max(err.values()) <= CHECK_LIMIT, checks[kind]
+                    print(f"check {kind} {name} vs loop: {err}", flush=True)
+                    assert max(err.values()) <= CHECK_LIMIT, checks[kind]
             megatron, reason = None, info["megatron"].get("error")
             if mcore is not None:
                 try:
@@ -392,10 +365,11 @@ def main(argv=None):
                     reason = failure(e)
             if "loop" in impls:
                 timed(kind, "loop", loop, leaves, dout)
-            for gemm, plan, pdl in grouped_variants(gemms, plans, pdls):
-                routed.grouped_gemm, dispatcher.plan_backend = gemm, plan
-                with pdl_env(pdl):
-                    timed(kind, grouped_name(gemm, plan, pdl), grouped, leaves, dout)
+            for gemm in gemms:
+                routed.grouped_gemm = gemm
+                for plan in plans:
+                    dispatcher.plan_backend = plan
+                    timed(kind, grouped_name(gemm, plan), grouped, leaves, dout)
             routed.grouped_gemm = "torch"
             if "megatron" not in impls:
                 pass

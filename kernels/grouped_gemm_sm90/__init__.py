@@ -64,7 +64,6 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import grid_dependency
 from kernels.situ import reference as situ_reference
 
 LIB_DEFAULT = Path(os.environ.get("K3TRAIN_CACHE", Path.home() / ".cache" / "k3train")) / "grouped_gemm_sm90" / \
@@ -90,7 +89,6 @@ MODES = {"k-major": 0, "n-major": 1, "wgrad": 2}  # grouped_gemm.cu's modes
 _STEPS = {1: "a launch before the GEMM", 2: "workspace too small", 3: "CUTLASS can_implement",
           4: "CUTLASS initialize", 5: "CUTLASS run", 6: "a launch error", -1: "unknown configuration"}
 
-ABI_VERSION = 2  # grouped_gemm.cu's k3gg_abi_version: the entry points' arguments (2: the pdl flag)
 _lib = None
 
 
@@ -139,20 +137,15 @@ def _load():
         lib.k3gg_batched_run.restype = i32
         lib.k3gg_expert_tiled_workspace_bytes.argtypes = [i32, i32, i32, i32, i32, i32, i32]
         lib.k3gg_expert_tiled_workspace_bytes.restype = i64
-        lib.k3gg_expert_tiled_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, size_t, i32, ptr,
-                                              i32]
+        lib.k3gg_expert_tiled_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, size_t, i32, ptr]
         lib.k3gg_expert_tiled_run.restype = i32
         f32 = ctypes.c_float
         lib.k3gg_situ_forward.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, f32, f32, ptr, size_t,
-                                          i32, ptr, i32]
+                                          i32, ptr]
         lib.k3gg_situ_forward.restype = i64
         lib.k3gg_situ_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr, f32, f32, ptr,
-                                           size_t, i32, ptr, i32]
+                                           size_t, i32, ptr]
         lib.k3gg_situ_backward.restype = i64
-        abi = lib.k3gg_abi_version() if hasattr(lib, "k3gg_abi_version") else 1
-        if abi != ABI_VERSION:
-            raise RuntimeError(f"{path} has the entry points of version {abi}, this module calls version "
-                               f"{ABI_VERSION}: rebuild it (python -m kernels.grouped_gemm_sm90.build --out {path})")
         if lib.k3gg_num_configs() != len(CONFIGS):
             raise RuntimeError(f"{path} holds {lib.k3gg_num_configs()} configurations, this module lists "
                                f"{len(CONFIGS)}: rebuild it")
@@ -312,8 +305,7 @@ def expert_tiled_mm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor,
     workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=a.device)
     status = lib.k3gg_expert_tiled_run(config, mode, a.data_ptr(), b.data_ptr(), out.data_ptr(),
                                        tile_expert.data_ptr(), G, a.shape[0], N, K, workspace.data_ptr(), ws_bytes,
-                                       sm_count, torch.cuda.current_stream(a.device).cuda_stream,
-                                       int(grid_dependency.enabled(a)))
+                                       sm_count, torch.cuda.current_stream(a.device).cuda_stream)
     if status:
         raise RuntimeError(f"expert-tiled GEMM {CONFIGS[config].name}, {layout}, G={G} M={a.shape[0]} N={N} K={K}: "
                            f"failed at {_STEPS.get(status, status)}")
@@ -358,10 +350,9 @@ def _situ_call(fn, name: str, shape: str, *args) -> None:
     device = args[0].device
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-    ws_bytes = fn(*ptrs, None, 0, sm_count, None, 0)
+    ws_bytes = fn(*ptrs, None, 0, sm_count, None)
     workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
-    status = fn(*ptrs, workspace.data_ptr(), ws_bytes, sm_count, torch.cuda.current_stream(device).cuda_stream,
-                int(grid_dependency.enabled(args[0])))
+    status = fn(*ptrs, workspace.data_ptr(), ws_bytes, sm_count, torch.cuda.current_stream(device).cuda_stream)
     if status:
         raise RuntimeError(f"{name} {shape}: failed at {_STEPS.get(status, status)}")
 

@@ -42,11 +42,8 @@ def cutlass_root(given: str | None) -> Path:
 
 
 def nvcc_command(nvcc: str, root: Path, out: Path) -> list[str]:
-    # CUTLASS_ENABLE_GDC_FOR_SM90: the kernels wait for the previous grid (griddepcontrol.wait) before reading its
-    # results, so that they may run with programmatic dependent launch (kernels.grid_dependency)
-    return [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-DCUTLASS_ENABLE_GDC_FOR_SM90", "-gencode",
-            "arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-shared", "-cudart",
-            "shared",
+    return [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-gencode", "arch=compute_90a,code=sm_90a",
+            "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-shared", "-cudart", "shared",
             f"-I{root / 'include'}", f"-I{root / 'tools' / 'util' / 'include'}", str(SOURCE), "-o", str(out)]
 
 

@@ -162,26 +162,22 @@ __global__ void zero_empty_groups(Bf16* d, const int* offsets, int64_t group_ele
 }
 
 // Runs a CUTLASS device GEMM on its arguments: 0, or the step that failed (2 workspace too small, 3
-// can_implement, 4 initialize, 5 run, 6 a launch error). pdl: launch it with programmatic dependent launch (it may
-// start during the previous kernel's last wave; only for kernels that wait before reading what that kernel wrote:
-// the expert-tiled ones, see ExpertTileScheduler).
+// can_implement, 4 initialize, 5 run, 6 a launch error).
 template <class Gemm>
-int launch(typename Gemm::Arguments const& args, void* workspace, size_t workspace_size, cudaStream_t stream,
-           bool pdl = false) {
+int launch(typename Gemm::Arguments const& args, void* workspace, size_t workspace_size, cudaStream_t stream) {
   if (Gemm::get_workspace_size(args) > workspace_size) return 2;
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 3;
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 4;
-  if (gemm.run(stream, nullptr, pdl) != cutlass::Status::kSuccess) return 5;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return 5;
   return cudaGetLastError() == cudaSuccess ? 0 : 6;
 }
 
 // Workspace bytes of G (workspace == nullptr), or G run on make_args() with the usual status codes.
 template <class G, class MakeArgs>
-int64_t workspace_or_run(MakeArgs make_args, void* workspace, size_t workspace_size, cudaStream_t stream,
-                         bool pdl = false) {
+int64_t workspace_or_run(MakeArgs make_args, void* workspace, size_t workspace_size, cudaStream_t stream) {
   if (workspace == nullptr) return G::Gemm::get_workspace_size(make_args());
-  return launch<typename G::Gemm>(make_args(), workspace, workspace_size, stream, pdl);
+  return launch<typename G::Gemm>(make_args(), workspace, workspace_size, stream);
 }
 
 template <class G>
@@ -293,9 +289,6 @@ struct BatchedGemm
 // PersistentTileSchedulerSm90 over one batch's tiles in row order (raster along N, no swizzle: tile m's N tiles
 // are consecutive, so the M index only grows along a CTA's walk), with the batch index read from tile_expert. A
 // tile whose entry is negative ends the CTA's walk, as all tiles after it are past the last group too.
-// tile_expert is read after griddepcontrol.wait (the kernels built with CUTLASS_ENABLE_GDC_FOR_SM90 wait for the
-// previous grid only before their first TMA loads, after the scheduler's first read), so that the kernel may be
-// launched with programmatic dependent launch behind the kernel that wrote tile_expert.
 struct ExpertTileScheduler : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   struct Arguments : Base::Arguments {
@@ -328,7 +321,6 @@ struct ExpertTileScheduler : cutlass::gemm::kernel::detail::PersistentTileSchedu
   CUTLASS_DEVICE WorkTileInfo get_current_work() const {
     WorkTileInfo work = Base::get_current_work();
     if (!work.is_valid()) return work;
-    cutlass::arch::wait_on_dependent_grids();
     int group = tile_expert_[work.M_idx];
     if (group < 0) return WorkTileInfo::invalid_work_tile();
     work.L_idx = group;
@@ -411,15 +403,14 @@ struct ExpertTiledGemm : PlainGemm<PingPong, TileM, TileN, TileK, 1, ExpertTileS
 // A configuration's expert-tiled workspace size (workspace == nullptr) or run; -1 where its cluster is not one CTA.
 template <bool PingPong, int TileM, int TileN, int TileK, int ClusterM>
 int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int* tile_expert, int groups, int M, int N,
-                     int K, void* workspace, size_t workspace_size, int sm_count, cudaStream_t stream,
-                     bool pdl = false) {
+                     int K, void* workspace, size_t workspace_size, int sm_count, cudaStream_t stream) {
   if constexpr (ClusterM != 1) {
     return -1;
   } else {
     auto call = [&](auto g) -> int64_t {
       using G = decltype(g);
       return workspace_or_run<G>([&] { return G::arguments(a, b, d, tile_expert, groups, M, N, K, sm_count); },
-                                 workspace, workspace_size, stream, pdl);
+                                 workspace, workspace_size, stream);
     };
     if (mode == 0) return call(ExpertTiledGemm<PingPong, TileM, TileN, TileK, 0>{});
     if (mode == 1) return call(ExpertTiledGemm<PingPong, TileM, TileN, TileK, 1>{});
@@ -441,9 +432,6 @@ int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int*
 }  // namespace
 
 extern "C" {
-
-// Bumped when an entry point's arguments change, so that a stale build is refused (grouped_gemm_sm90.ABI_VERSION).
-int k3gg_abi_version() { return 2; }
 
 int k3gg_num_configs() {
 #define K3_COUNT(i, ...) +1
@@ -525,13 +513,12 @@ int64_t k3gg_expert_tiled_workspace_bytes(int config, int mode, int groups, int 
 
 int k3gg_expert_tiled_run(int config, int mode, const void* a, const void* b, void* d, const int* tile_expert,
                           int groups, int M, int N, int K, void* workspace, size_t workspace_size, int sm_count,
-                          void* stream, int pdl) {
+                          void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   if (workspace == nullptr) return 2;  // the caller passes at least one byte
 #define K3_CASE(i, pp, tm, tn, tk, cm) \
   if (config == i) return static_cast<int>(expert_tiled<pp, tm, tn, tk, cm>(mode, a, b, d, tile_expert, groups, M, \
-                                                                            N, K, workspace, workspace_size, sm_count, s, \
-                                                                            pdl != 0));
+                                                                            N, K, workspace, workspace_size, sm_count, s));
   K3_CONFIGS(K3_CASE)
 #undef K3_CASE
   return -1;
@@ -540,28 +527,25 @@ int k3gg_expert_tiled_run(int config, int mode, const void* a, const void* b, vo
 // SiTU in configuration 1's expert-tiled products (situ_epilogue.cuh): workspace bytes when workspace is null, else
 // the run's status. Forward: x [M, K] @ w13 [G, N, K]^T (rows interleaved gate/up) -> pre [M, N] and h [M, N/2].
 // Backward: dy [M, K] @ w2 [G, K, N] -> d_pre [M, 2N] from pre [M, 2N] (both bf16 pairs) and ds [M] (or null).
-// row_scale [M] fp32 or null (1). pdl: programmatic dependent launch, as k3gg_expert_tiled_run's.
+// row_scale [M] fp32 or null (1).
 int64_t k3gg_situ_forward(const void* x, const void* w13, void* pre, void* h, const int* tile_expert, int groups,
                           int M, int N, int K, const float* row_scale, float beta, float linear_beta, void* workspace,
-                          size_t workspace_size, int sm_count, void* stream, int pdl) {
+                          size_t workspace_size, int sm_count, void* stream) {
   auto make_args = [&] {
     return SituForwardGemm::arguments(x, w13, pre, h, tile_expert, groups, M, N, K, sm_count, row_scale,
                                       {beta, linear_beta});
   };
-  return workspace_or_run<SituForwardGemm>(make_args, workspace, workspace_size, static_cast<cudaStream_t>(stream),
-                                           pdl != 0);
+  return workspace_or_run<SituForwardGemm>(make_args, workspace, workspace_size, static_cast<cudaStream_t>(stream));
 }
 
 int64_t k3gg_situ_backward(const void* dy, const void* w2, const void* pre, void* d_pre, const int* tile_expert,
                            int groups, int M, int N, int K, const float* row_scale, float* ds, float beta,
-                           float linear_beta, void* workspace, size_t workspace_size, int sm_count, void* stream,
-                           int pdl) {
+                           float linear_beta, void* workspace, size_t workspace_size, int sm_count, void* stream) {
   auto make_args = [&] {
     return SituBackwardGemm::arguments(dy, w2, pre, d_pre, tile_expert, groups, M, N, K, sm_count, row_scale, ds,
                                        {beta, linear_beta});
   };
-  return workspace_or_run<SituBackwardGemm>(make_args, workspace, workspace_size, static_cast<cudaStream_t>(stream),
-                                            pdl != 0);
+  return workspace_or_run<SituBackwardGemm>(make_args, workspace, workspace_size, static_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"

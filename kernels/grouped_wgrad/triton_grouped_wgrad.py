@@ -16,8 +16,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..grid_dependency import launch_options, wait_for_previous_kernel
-
 # (BM, BN, BK, warps, stages) on the GPU: the fastest of seven tiles at bench-1B's W13 and W2 on one H200
 # (docs/results/grouped_wgrad_tiles_h200_2026-12-02.json; 128×128 was 3-6% slower). Those runs stored dW
 # through 64-bit pointer tiles, which took 255 registers and a 408-byte stack at 128×256 (Triton 3.6, sm_90);
@@ -58,17 +56,14 @@ def _wgrad_tile(G, X, DW, OFFSETS, ORDER, O, C, pid, BM: tl.constexpr, BN: tl.co
 
 
 @triton.jit
-def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+def _grouped_wgrad_kernel(G, X, DW, OFFSETS, ORDER, O, C, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     _wgrad_tile(G, X, DW, OFFSETS, ORDER, O, C, tl.program_id(0), BM, BN, BK)
 
 
 @triton.jit
 def _grouped_wgrad_pair_kernel(G1, X1, DW1, O1, C1, G2, X2, DW2, O2, C2, OFFSETS, ORDER, FIRST,
-                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Two weight gradients over the same groups: programs [0, FIRST) tile the first, the others the second."""
-    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     if pid < FIRST:
         G, X, DW, O, C = G1, X1, DW1, O1, C1
@@ -86,11 +81,10 @@ def _expert_rows(OFFSETS, e, E):
 
 
 @triton.jit
-def _by_size_kernel(OFFSETS, ORDER, E, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _by_size_kernel(OFFSETS, ORDER, E, BLOCK: tl.constexpr):
     """order = the experts by row count, largest first, ties by id (a stable descending argsort): expert e goes
     to #{f : n_f > n_e, or n_f = n_e and f < e}. One program per BLOCK experts e, walking every f BLOCK at a time
     (a [BLOCK, BLOCK] comparison tile, whatever E)."""
-    wait_for_previous_kernel(PDL)
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     n_e = _expert_rows(OFFSETS, e, E)[:, None]
     ahead = tl.zeros((BLOCK,), dtype=tl.int32)
@@ -106,7 +100,7 @@ def experts_by_size(offsets: torch.Tensor) -> torch.Tensor:
     order = torch.empty_like(offsets)
     E = offsets.shape[0]
     block = BY_SIZE_BLOCK if offsets.is_cuda else INTERPRETER_BY_SIZE_BLOCK
-    _by_size_kernel[(triton.cdiv(E, block),)](offsets, order, E, BLOCK=block, **launch_options(offsets))
+    _by_size_kernel[(triton.cdiv(E, block),)](offsets, order, E, BLOCK=block)
     return order
 
 
@@ -134,7 +128,7 @@ def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, tiles
         return torch.zeros(offsets.shape[0], g.shape[1], x.shape[1], dtype=g.dtype, device=g.device)
     (g_desc, x_desc, dw, O, C), programs = _product(g, x, offsets, tiles)
     _grouped_wgrad_kernel[(programs,)](g_desc, x_desc, dw, offsets, experts_by_size(offsets), O, C, BM=BM, BN=BN,
-                                       BK=BK, num_warps=warps, num_stages=stages, **launch_options(g))
+                                       BK=BK, num_warps=warps, num_stages=stages)
     return dw
 
 
@@ -149,5 +143,5 @@ def grouped_wgrad_pair(g1: torch.Tensor, x1: torch.Tensor, g2: torch.Tensor, x2:
     second, programs2 = _product(g2, x2, offsets, tiles)
     _grouped_wgrad_pair_kernel[(programs1 + programs2,)](*first, *second, offsets, experts_by_size(offsets),
                                                          programs1, BM=BM, BN=BN, BK=BK, num_warps=warps,
-                                                         num_stages=stages, **launch_options(g1))
+                                                         num_stages=stages)
     return first[2], second[2]

@@ -26,8 +26,6 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..grid_dependency import launch_options, wait_for_previous_kernel
-
 # GPU tiles: about GPU_TILE_ELEMS elements of [BLOCK_T, KP, BLOCK_L] a program. Swept with
 # benchmarks/moe_components.py --permute-tiles (E=128, k=8, ℓ=512, 16384 tokens, bf16, one H200, CUDA-graph
 # replays; docs/results/moe_components_tiles_h200_2026-12-01.json): 8192 × 4 warps (2 tokens a program at
@@ -67,9 +65,8 @@ def _zero_pad_rows(X, PAD_ROWS, P, L, stride_x, q, KP: tl.constexpr, BLOCK_T: tl
 
 @triton.jit
 def _dispatch_fwd_kernel(Z, INV, X, PAD_ROWS, N, P, L, stride_z, stride_x, TOP_K: tl.constexpr, KP: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
     """Programs [0, ⌈N / BLOCK_T⌉) copy tokens; the rest zero the P padding rows ``PAD_ROWS``."""
-    wait_for_previous_kernel(PDL)
     token_programs = tl.cdiv(N, BLOCK_T)
     if tl.program_id(0) >= token_programs:
         _zero_pad_rows(X, PAD_ROWS, P, L, stride_x, tl.program_id(0) - token_programs, KP, BLOCK_T, BLOCK_L)
@@ -86,8 +83,7 @@ def _dispatch_fwd_kernel(Z, INV, X, PAD_ROWS, N, P, L, stride_z, stride_x, TOP_K
 
 @triton.jit
 def _dispatch_bwd_kernel(DX, INV, DZ, N, L, stride_dx, stride_dz, TOP_K: tl.constexpr,
-                         KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                         KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
     t, r, tmask, cmask = _copies(INV, N, TOP_K, KP, BLOCK_T)
     for l0 in range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
@@ -101,8 +97,7 @@ def _dispatch_bwd_kernel(DX, INV, DZ, N, L, stride_dx, stride_dz, TOP_K: tl.cons
 
 @triton.jit
 def _combine_fwd_kernel(Y, W, INV, U, N, L, stride_y, stride_u, TOP_K: tl.constexpr, KP: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                        BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
     t, r, tmask, cmask = _copies(INV, N, TOP_K, KP, BLOCK_T)
     w = tl.load(W + t[:, None] * TOP_K + tl.arange(0, KP)[None, :], mask=cmask, other=0.0).to(tl.float32)
     for l0 in range(0, L, BLOCK_L):
@@ -118,9 +113,8 @@ def _combine_fwd_kernel(Y, W, INV, U, N, L, stride_y, stride_u, TOP_K: tl.conste
 @triton.jit
 def _combine_bwd_kernel(DU, Y, W, INV, DY, DW, PAD_ROWS, N, P, L, stride_du, stride_y, stride_dy,
                         TOP_K: tl.constexpr, KP: tl.constexpr, NEED_DY: tl.constexpr,
-                        NEED_DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
+                        NEED_DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
     """Programs [0, ⌈N / BLOCK_T⌉) take tokens; the rest (NEED_DY) zero dy's P padding rows ``PAD_ROWS``."""
-    wait_for_previous_kernel(PDL)
     token_programs = tl.cdiv(N, BLOCK_T)
     if NEED_DY:
         if tl.program_id(0) >= token_programs:
@@ -167,7 +161,7 @@ def _launch(n: int, ell: int, top_k: int, t: torch.Tensor, pad: int = 0):
                            "is off: set TRITON_INTERPRET=1 before triton is imported, or use "
                            "backend='torch'")
     return (triton.cdiv(n, bt) + triton.cdiv(pad, bt * kp),), {"TOP_K": top_k, "KP": kp, "BLOCK_T": bt,
-                                                                "BLOCK_L": bl, **opts, **launch_options(t)}
+                                                                "BLOCK_L": bl, **opts}
 
 
 def _check(rows: tuple[torch.Tensor, ...], inverse: torch.Tensor, n: int, top_k: int) -> None:

@@ -31,8 +31,6 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..grid_dependency import launch_options, wait_for_previous_kernel
-
 GPU_TILE_ELEMS = 16384  # elements of a program's [BLOCK, GP] one-hot tile (untuned)
 GPU_BLOCK_MAX = 128  # bounds kernel 4's [BLOCK, BLOCK] compare (at 2048 it ran wrong or compiled for minutes)
 GPU_NUM_WARPS = 8
@@ -41,8 +39,7 @@ INTERPRET_BLOCK = 16
 
 
 @triton.jit
-def _block_counts_kernel(KEYS, N_BLOCK, M, NB, G, BLOCK: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+def _block_counts_kernel(KEYS, N_BLOCK, M, NB, G, BLOCK: tl.constexpr, GP: tl.constexpr):
     b = tl.program_id(0)
     c = b * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(KEYS + c, mask=c < M, other=-1).to(tl.int32)
@@ -52,9 +49,7 @@ def _block_counts_kernel(KEYS, N_BLOCK, M, NB, G, BLOCK: tl.constexpr, GP: tl.co
 
 
 @triton.jit
-def _scan_blocks_kernel(N_BLOCK, BEFORE, COUNTS, GROUP_ROWS, NB, T: tl.constexpr, CHUNK: tl.constexpr,
-                        PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+def _scan_blocks_kernel(N_BLOCK, BEFORE, COUNTS, GROUP_ROWS, NB, T: tl.constexpr, CHUNK: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
     total = tl.sum(tl.zeros((CHUNK,), dtype=tl.int32), axis=0)
     for b0 in range(0, NB, CHUNK):
@@ -68,9 +63,8 @@ def _scan_blocks_kernel(N_BLOCK, BEFORE, COUNTS, GROUP_ROWS, NB, T: tl.constexpr
 
 
 @triton.jit
-def _group_starts_kernel(COUNTS, GROUP_ROWS, STARTS, G, GP: tl.constexpr, PDL: tl.constexpr):
+def _group_starts_kernel(COUNTS, GROUP_ROWS, STARTS, G, GP: tl.constexpr):
     """starts [3, G]: each group's first packed row, first padded row and first entry in the padding list."""
-    wait_for_previous_kernel(PDL)
     g = tl.arange(0, GP)
     counts = tl.load(COUNTS + g, mask=g < G, other=0)
     group_rows = tl.load(GROUP_ROWS + g, mask=g < G, other=0)
@@ -82,8 +76,7 @@ def _group_starts_kernel(COUNTS, GROUP_ROWS, STARTS, G, GP: tl.constexpr, PDL: t
 
 @triton.jit
 def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, STARTS, ORDER, INVERSE, PAD_ROWS, M, NB, G, ROWS,
-                  BLOCK: tl.constexpr, TP: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                  BLOCK: tl.constexpr, TP: tl.constexpr):
     pid = tl.program_id(0)
     if pid < NB:
         slot = tl.arange(0, BLOCK)
@@ -111,9 +104,8 @@ def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, STARTS, ORDER, INVERSE, PAD_
 
 @triton.jit
 def _group_offsets_kernel(GROUP_ROWS, OFFSETS, TILE_GROUP, G, TILES, T: tl.constexpr, GP: tl.constexpr,
-                          TB: tl.constexpr, PDL: tl.constexpr):
+                          TB: tl.constexpr):
     """offsets = cumsum(group_rows) (program 0); tile_group[t] = #{g : offsets[g] / T ≤ t} (−1 past the last)."""
-    wait_for_previous_kernel(PDL)
     g = tl.arange(0, GP)
     ends = tl.cumsum(tl.load(GROUP_ROWS + g, mask=g < G, other=0), axis=0)
     if tl.program_id(0) == 0:
@@ -141,8 +133,6 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     else:
         raise RuntimeError("the Triton routing-plan kernels got a CPU tensor, but Triton's interpreter is off: "
                            "set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
-    pdl = launch_options(keys)
-    opts.update(pdl)
     nb = triton.cdiv(m, block)
     order, inverse = (torch.empty(m, dtype=torch.int64, device=dev) for _ in range(2))
     counts, group_rows = (torch.empty(groups, dtype=torch.int64, device=dev) for _ in range(2))
@@ -156,8 +146,8 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     starts = torch.empty(3, groups, dtype=torch.int64, device=dev)
     _block_counts_kernel[(nb,)](keys, n_block, m, nb, groups, BLOCK=block, GP=gp, **opts)
     _scan_blocks_kernel[(groups,)](n_block, before, counts, group_rows, nb, T=row_tile,
-                                   CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(nb)), **pdl)
-    _group_starts_kernel[(1,)](counts, group_rows, starts, groups, GP=gp, **pdl)
+                                   CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(nb)))
+    _group_starts_kernel[(1,)](counts, group_rows, starts, groups, GP=gp)
     tp = triton.next_power_of_2(row_tile)
     pad_programs = groups + triton.cdiv(rows - m, tp) if rows > m else 0
     _place_kernel[(nb + pad_programs,)](keys, before, counts, group_rows, starts, order, inverse, pad_rows, m, nb,
@@ -171,7 +161,6 @@ def group_offsets(group_rows: torch.Tensor, row_tile: int, tiles: int) -> tuple[
     gp = triton.next_power_of_2(max(groups, 1))
     tb = max(16, (GPU_TILE_ELEMS if group_rows.is_cuda else 256) // gp)
     opts = {"num_warps": GPU_NUM_WARPS} if group_rows.is_cuda else {}
-    opts.update(launch_options(group_rows))
     offsets = torch.empty(groups, dtype=torch.int32, device=dev)
     tile_group = torch.empty(tiles, dtype=torch.int32, device=dev)
     if groups:

@@ -78,17 +78,3 @@ def test_expert_tiled_rows_check_against_the_loop(bench, tmp_path, one_rank):
     for kind in ("natural", "skewed"):
         errors = res["checks"][kind]["grouped tiles:0"]
         assert max(errors.values()) < 1e-5, (kind, errors)
-
-
-def test_pdl_rows_come_in_pairs_and_restore_the_environment(bench, tmp_path, one_rank, monkeypatch):
-    """``--pdl off,on``: each grouped row twice, the second with K3_PDL=1 while it is checked and timed (on CPU it
-    launches nothing differently), and the variable as it was afterwards."""
-    monkeypatch.delenv("K3_PDL", raising=False)
-    seen = []
-    timer = bench.time_fwd_bwd
-    monkeypatch.setattr(bench, "time_fwd_bwd", lambda *a: (seen.append(os.environ.get("K3_PDL")), timer(*a))[1])
-    res = run(bench, tmp_path, "--impls grouped --routing natural --pdl off,on")
-    assert [r["impl"] for r in res["rows"] if r["routing"] == "natural"] == ["grouped", "grouped pdl"]
-    assert seen == [None, None, None, "1"]  # dense, dense_gemm, grouped, grouped pdl
-    assert max(res["checks"]["natural"]["grouped pdl"].values()) < 1e-5
-    assert "K3_PDL" not in os.environ

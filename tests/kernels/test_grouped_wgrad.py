@@ -193,8 +193,8 @@ one = dict(G=G, X=X, DW="*bf16", OFFSETS="*i32", ORDER="*i32", O="i32", C="i32")
 pair = dict(G1=G, X1=X, DW1="*bf16", O1="i32", C1="i32", G2=G, X2=X, DW2="*bf16", O2="i32", C2="i32",
             OFFSETS="*i32", ORDER="*i32", FIRST="i32")
 for kernel, signature in ((m._grouped_wgrad_kernel, one), (m._grouped_wgrad_pair_kernel, pair)):
-    signature.update(BM="constexpr", BN="constexpr", BK="constexpr", PDL="constexpr")
-    src = ASTSource(kernel, signature, constexprs=dict(BM=BM, BN=BN, BK=BK, PDL=True))
+    signature.update(BM="constexpr", BN="constexpr", BK="constexpr")
+    src = ASTSource(kernel, signature, constexprs=dict(BM=BM, BN=BN, BK=BK))
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     print(kernel.fn.__name__, compiled.metadata.shared)
 """

@@ -49,7 +49,7 @@ def tiled(a, b, cfg, sms):
     work = torch.empty(max(ws, 1), dtype=torch.uint8, device=dev)
     st = lib.k3gg_expert_tiled_run(cfg, mode, a.data_ptr(), b.data_ptr(), out.data_ptr(), tile_expert.data_ptr(),
                                    G, a.shape[0], Nn, K, work.data_ptr(), ws, sms,
-                                   torch.cuda.current_stream().cuda_stream, 0)
+                                   torch.cuda.current_stream().cuda_stream)
     assert st == 0, st
     return out
 
