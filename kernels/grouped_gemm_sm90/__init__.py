@@ -89,6 +89,8 @@ MODES = {"k-major": 0, "n-major": 1, "wgrad": 2}  # grouped_gemm.cu's modes
 _STEPS = {1: "a launch before the GEMM", 2: "workspace too small", 3: "CUTLASS can_implement",
           4: "CUTLASS initialize", 5: "CUTLASS run", 6: "a launch error", -1: "unknown configuration"}
 
+ABI_VERSION = 3  # grouped_gemm.cu's k3gg_abi_version: the entry points' arguments (2 had a pdl flag, since removed)
+
 _lib = None
 
 
@@ -146,6 +148,10 @@ def _load():
         lib.k3gg_situ_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr, f32, f32, ptr,
                                            size_t, i32, ptr]
         lib.k3gg_situ_backward.restype = i64
+        abi = lib.k3gg_abi_version() if hasattr(lib, "k3gg_abi_version") else 1
+        if abi != ABI_VERSION:
+            raise RuntimeError(f"{path} has the entry points of version {abi}, this module calls version "
+                               f"{ABI_VERSION}: rebuild it (python -m kernels.grouped_gemm_sm90.build --out {path})")
         if lib.k3gg_num_configs() != len(CONFIGS):
             raise RuntimeError(f"{path} holds {lib.k3gg_num_configs()} configurations, this module lists "
                                f"{len(CONFIGS)}: rebuild it")

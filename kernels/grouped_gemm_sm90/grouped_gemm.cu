@@ -433,6 +433,9 @@ int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int*
 
 extern "C" {
 
+// Bumped when an entry point's arguments change, so that a stale build is refused (grouped_gemm_sm90.ABI_VERSION).
+int k3gg_abi_version() { return 3; }
+
 int k3gg_num_configs() {
 #define K3_COUNT(i, ...) +1
   return 0 K3_CONFIGS(K3_COUNT);
