@@ -192,13 +192,14 @@ def cpu_bench(fn, warmup, rep, grad_to_none=()):
 
 
 def time_fwd_bwd(fn, dout, grad_to_none, warmup, rep, cuda_graph=False):
-    """(median ms, how it was timed) of fn's forward + backward."""
+    """(median ms, how it was timed) of fn's forward + backward, the gradients of ``grad_to_none`` fresh each call
+    (none accumulated into a ``.grad``, which would add a kernel the size of each leaf)."""
     def step():
         torch.autograd.backward(fn(), dout)
     if not dout.is_cuda:
         return cpu_bench(step, warmup, rep, list(grad_to_none)), "perf_counter"
     if cuda_graph:
-        ms = graph_ms(step)
+        ms = graph_ms(lambda: torch.autograd.grad(fn(), list(grad_to_none), dout))
         if ms is not None:
             return ms, "cuda graph"
     from triton.testing import do_bench
