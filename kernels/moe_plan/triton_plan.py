@@ -31,8 +31,12 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-GPU_TILE_ELEMS = 16384  # elements of a program's [BLOCK, GP] one-hot tile (untuned)
-GPU_BLOCK_MAX = 128  # bounds kernel 4's [BLOCK, BLOCK] compare (at 2048 it ran wrong or compiled for minutes)
+# GPU_BLOCK_MAX bounds kernel 4's [BLOCK, BLOCK] compare (at 2048 it ran wrong or compiled for minutes). Swept on
+# one H200 (bench-1B's 131,072 copies, G = 128, row tile 64; the four launches as CUDA-graph replays;
+# docs/results/moe_permute_plan_sweep_s36_h200_2026-12-03.json): BLOCK 64 22.1-22.4 us with 4 or 8 warps, 128 22.6-26.3,
+# 32 24.0-26.4.
+GPU_TILE_ELEMS = 16384  # elements of a program's [BLOCK, GP] one-hot tile
+GPU_BLOCK_MAX = 64
 GPU_NUM_WARPS = 8
 SCAN_CHUNK = 1024  # blocks a group's scan takes at a time
 INTERPRET_BLOCK = 16
