@@ -41,6 +41,7 @@ from kernels.grouped_gemm_sm90 import expert_tiled_situ_backward_op as cutlass_s
 from kernels.grouped_gemm_sm90 import expert_tiled_situ_forward_op as cutlass_situ_forward
 from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
 from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
+from kernels.grouped_gemm_sm90 import grouped_wgrad_pair_op as cutlass_grouped_wgrad_pair
 from kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_pair
 from kernels.moe_plan import group_offsets
 from kernels.situ import situ_glu_interleaved
@@ -68,7 +69,8 @@ def grouped_gemm_configs(gemm: str) -> GroupedGemm:
     "tiles:i" → its expert-tiled kernel (one-CTA-cluster configurations; rows padded per expert); "fused:1" →
     the expert-tiled configuration 1 with SiTU in its products' epilogues (``kernels.grouped_gemm_sm90.
     expert_tiled_situ_forward``; the fastest on one H200, docs/moe_notes.md §2); each with ":j" →
-    configuration j for the weight gradients too (experimental)."""
+    configuration j for the weight gradients too ("fused:1:j": W13's and W2's in one launch; "fused:1:3" the
+    fastest under natural routing, session 37)."""
     parts = gemm.split(":")
     ok = parts == ["torch"] or (parts[0] in ("cutlass", "tiles", "fused") and len(parts) in (2, 3) and
                                 all(p.isdigit() and int(p) < len(CUTLASS_CONFIGS) for p in parts[1:]))
@@ -149,8 +151,9 @@ class _SiTUExperts(torch.autograd.Function):
         d_pre, d_scale = cutlass_situ_backward(grad_y, w2, pre, tile_expert, row_scale, *ctx.betas)
         grad_x = cutlass_expert_tiled_mm(d_pre, w13, tile_expert, gemm.mm)
         want_w13, want_w2 = ctx.needs_input_grad[1:3]
-        if gemm.wgrad is None and want_w13 and want_w2:  # both in one launch
-            grad_w13, grad_w2 = grouped_wgrad_pair(d_pre, x, grad_y, h, offsets)
+        if want_w13 and want_w2:  # both in one launch
+            grad_w13, grad_w2 = (grouped_wgrad_pair(d_pre, x, grad_y, h, offsets) if gemm.wgrad is None else
+                                 cutlass_grouped_wgrad_pair(d_pre, x, grad_y, h, offsets, gemm.wgrad))
         else:
             grad_w13 = _grouped_wgrad(d_pre, x, offsets, gemm) if want_w13 else None
             grad_w2 = _grouped_wgrad(grad_y, h, offsets, gemm) if want_w2 else None

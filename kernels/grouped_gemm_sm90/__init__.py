@@ -10,14 +10,19 @@
     dw = grouped_wgrad(g, x, offsets, config=0)
     g [M, O], x [M, C] bf16 contiguous → dw [G, O, C] bf16, dw[e] = g[rows of e]ᵀ x[rows of e] (0 for a group
     without rows): the weight gradient, as ``kernels.grouped_wgrad``.
+    dw1, dw2 = grouped_wgrad_pair(g1, x1, g2, x2, offsets, config=0)
+    Two such gradients over the same groups in one launch (the routed experts' W13 and W2), the groups of both
+    placed by row count, largest first, so that the longest K loops start first.
 
 torch 2.11 builds one CUTLASS pointer-array kernel for this with its configuration fixed by the group sizes
 (cooperative 128×256×64 tiles in 2×1 clusters at the experts' sizes); ``CONFIGS`` here are the ones
 ``grouped_gemm.cu`` instantiates, to measure which suits K = 256–512 (``benchmarks/moe_components.py
 --gemm-products``). Measured on one H200 (docs/moe_notes.md §2, session 24): on the forward and dgrad products
-none beats torch's by more than 2%; the wgrad beats ``kernels.grouped_wgrad`` by 13–18% under natural routing
-and loses under skewed routing (one CTA runs an overloaded expert's whole K). Experimental: the model runs it
-only where ``RoutedExperts.grouped_gemm`` names a configuration (``benchmarks/moe.py --grouped-gemms``).
+none beats torch's by more than 2%. The weight gradients: in the layer (``fused:1:j``, session 37), the W13 and
+W2 pair in one launch of configuration 3 took 12–17 µs less than ``kernels.grouped_wgrad``'s pair under natural
+routing and 15–19 µs more under skewed routing (an overloaded expert's tile runs its whole K on one CTA).
+Experimental: the model runs it only where ``RoutedExperts.grouped_gemm`` names a configuration
+(``benchmarks/moe.py --grouped-gemms``).
 
     out = batched_mm(a, b, config=0)
     a [L, M, K] bf16 contiguous, b [L, K, N] a transposed view of a packed [L, N, K] → out [L, M, N] = a @ b:
@@ -89,7 +94,8 @@ MODES = {"k-major": 0, "n-major": 1, "wgrad": 2}  # grouped_gemm.cu's modes
 _STEPS = {1: "a launch before the GEMM", 2: "workspace too small", 3: "CUTLASS can_implement",
           4: "CUTLASS initialize", 5: "CUTLASS run", 6: "a launch error", -1: "unknown configuration"}
 
-ABI_VERSION = 3  # grouped_gemm.cu's k3gg_abi_version: the entry points' arguments (2 had a pdl flag, since removed)
+ABI_VERSION = 4  # grouped_gemm.cu's k3gg_abi_version: the entry points' arguments (2 had a pdl flag, since removed;
+# 4 runs the weight gradients through k3gg_wgrad_run, one or two products a launch)
 
 _lib = None
 
@@ -131,8 +137,10 @@ def _load():
         lib.k3gg_num_configs.restype = i32
         lib.k3gg_array_bytes.argtypes, lib.k3gg_array_bytes.restype = [i32, i32, i32], size_t
         lib.k3gg_workspace_bytes.argtypes, lib.k3gg_workspace_bytes.restype = [i32, i32, i32, i32], size_t
-        lib.k3gg_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i64, ptr, ptr, size_t, i32, ptr]
+        lib.k3gg_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i64, ptr, ptr, size_t, i32, ptr]
         lib.k3gg_run.restype = i32
+        lib.k3gg_wgrad_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, size_t, i32, ptr]
+        lib.k3gg_wgrad_run.restype = i32
         lib.k3gg_batched_workspace_bytes.argtypes = [i32, i32, i32, i32, i32, i32]
         lib.k3gg_batched_workspace_bytes.restype = size_t
         lib.k3gg_batched_run.argtypes = [i32, ptr, ptr, ptr, i32, i32, i32, i32, ptr, size_t, i32, ptr]
@@ -184,21 +192,58 @@ def _check(tensors: dict[str, torch.Tensor], offsets: torch.Tensor, groups: int,
         raise ValueError(f"config {config}: choose 0..{len(CONFIGS) - 1} ({[c.name for c in CONFIGS]})")
 
 
-def _run(config: int, mode: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor,
-         rows_fixed: int, N: int, K: int, b_group_stride: int) -> torch.Tensor:
-    lib = _load()
-    groups, m = offsets.shape[0], MODES[mode]
-    sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
-    arrays = torch.empty(lib.k3gg_array_bytes(config, m, groups), dtype=torch.uint8, device=a.device)
+def _buffers(lib, config: int, mode: str, groups: int, device: torch.device):
+    """The per-group array buffer and CUTLASS's workspace for ``groups`` groups: (arrays, workspace, its bytes,
+    SM count)."""
+    m = MODES[mode]
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    arrays = torch.empty(lib.k3gg_array_bytes(config, m, groups), dtype=torch.uint8, device=device)
     ws_bytes = lib.k3gg_workspace_bytes(config, m, groups, sm_count)
-    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=a.device)
-    status = lib.k3gg_run(config, m, a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(), groups,
-                          rows_fixed, N, K, b_group_stride, arrays.data_ptr(), workspace.data_ptr(), ws_bytes,
-                          sm_count, torch.cuda.current_stream(a.device).cuda_stream)
+    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
+    return arrays, workspace, ws_bytes, sm_count
+
+
+def _run(config: int, mode: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor,
+         N: int, K: int, b_group_stride: int) -> torch.Tensor:
+    lib = _load()
+    groups = offsets.shape[0]
+    arrays, workspace, ws_bytes, sm_count = _buffers(lib, config, mode, groups, a.device)
+    status = lib.k3gg_run(config, MODES[mode], a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(),
+                          groups, N, K, b_group_stride, arrays.data_ptr(), workspace.data_ptr(), ws_bytes, sm_count,
+                          torch.cuda.current_stream(a.device).cuda_stream)
     if status:
         raise RuntimeError(f"grouped GEMM {CONFIGS[config].name}, {mode}, G={groups} N={N} K={K}: failed at "
                            f"{_STEPS.get(status, status)}")
     return out
+
+
+def _wgrad(products: list[tuple[torch.Tensor, torch.Tensor]], offsets: torch.Tensor, config: int
+           ) -> list[torch.Tensor]:
+    """dw_p[e] = g_p[rows of e]ᵀ x_p[rows of e] for each (g_p, x_p) of ``products`` (one or two) in one launch."""
+    for i, (g, x) in enumerate(products):
+        if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0] or not (g.is_contiguous() and x.is_contiguous()):
+            raise ValueError(f"product {i}: g and x must be contiguous [M, O] and [M, C], got {tuple(g.shape)} and "
+                             f"{tuple(x.shape)}")
+        _check({"g": g, "x": x}, offsets, offsets.shape[0] if offsets.dim() == 1 else -1, config)
+    if len({g.shape[0] for g, _ in products}) != 1:
+        raise ValueError(f"the products' rows differ: {[tuple(g.shape) for g, _ in products]}")
+    experts, g0 = offsets.shape[0], products[0][0]
+    outs = [g.new_empty(experts, g.shape[1], x.shape[1]) for g, x in products]
+    if g0.shape[0] == 0:
+        return [out.zero_() for out in outs]
+    lib = _load()
+    P = len(products)
+    arrays, workspace, ws_bytes, sm_count = _buffers(lib, config, "wgrad", experts * P, g0.device)
+    ptrs, ints = ctypes.c_void_p * P, ctypes.c_int * P
+    status = lib.k3gg_wgrad_run(config, P, ptrs(*(g.data_ptr() for g, _ in products)),
+                                ptrs(*(x.data_ptr() for _, x in products)), ptrs(*(o.data_ptr() for o in outs)),
+                                ints(*(g.shape[1] for g, _ in products)), ints(*(x.shape[1] for _, x in products)),
+                                offsets.data_ptr(), experts, arrays.data_ptr(), workspace.data_ptr(), ws_bytes,
+                                sm_count, torch.cuda.current_stream(g0.device).cuda_stream)
+    if status:
+        raise RuntimeError(f"grouped wgrad {CONFIGS[config].name}, {P} product(s), E={experts}: failed at "
+                           f"{_STEPS.get(status, status)}")
+    return outs
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
@@ -211,19 +256,19 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: 
     out = a.new_empty(a.shape[0], N)
     if a.shape[0] == 0:
         return out
-    return _run(config, layout, a, b, out, offsets, 0, N, K, b.stride(0))
+    return _run(config, layout, a, b, out, offsets, N, K, b.stride(0))
 
 
 def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
     """dw[e] = g[rows of e]ᵀ x[rows of e] (module docstring), with ``CONFIGS[config]``."""
-    if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0] or not (g.is_contiguous() and x.is_contiguous()):
-        raise ValueError(f"g and x must be contiguous [M, O] and [M, C], got {tuple(g.shape)} and {tuple(x.shape)}")
-    _check({"g": g, "x": x}, offsets, offsets.shape[0] if offsets.dim() == 1 else -1, config)
-    (M, O), C = g.shape, x.shape[1]
-    out = g.new_empty(offsets.shape[0], O, C)
-    if M == 0:
-        return out.zero_()
-    return _run(config, "wgrad", g, x, out, offsets, O, C, 0, 0)
+    return _wgrad([(g, x)], offsets, config)[0]
+
+
+def grouped_wgrad_pair(g1: torch.Tensor, x1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor, offsets: torch.Tensor,
+                       config: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``grouped_wgrad``(g1, x1), ``grouped_wgrad``(g2, x2)) in one launch (module docstring)."""
+    dw1, dw2 = _wgrad([(g1, x1), (g2, x2)], offsets, config)
+    return dw1, dw2
 
 
 def batched_mm(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tensor:
@@ -461,6 +506,23 @@ def _grouped_wgrad_fake(g, x, offsets, config):
 def grouped_wgrad_op(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
     """``grouped_wgrad`` as the custom op ``k3::grouped_wgrad_sm90``: what compiled graphs call."""
     return _grouped_wgrad_op(g, x, offsets, config)
+
+
+@torch.library.custom_op("k3::grouped_wgrad_pair_sm90", mutates_args=())
+def _grouped_wgrad_pair_op(g1: torch.Tensor, x1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor,
+                           offsets: torch.Tensor, config: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return grouped_wgrad_pair(g1, x1, g2, x2, offsets, config)
+
+
+@_grouped_wgrad_pair_op.register_fake
+def _grouped_wgrad_pair_fake(g1, x1, g2, x2, offsets, config):
+    return _grouped_wgrad_fake(g1, x1, offsets, config), _grouped_wgrad_fake(g2, x2, offsets, config)
+
+
+def grouped_wgrad_pair_op(g1: torch.Tensor, x1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor,
+                          offsets: torch.Tensor, config: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grouped_wgrad_pair`` as the custom op ``k3::grouped_wgrad_pair_sm90``: what compiled graphs call."""
+    return _grouped_wgrad_pair_op(g1, x1, g2, x2, offsets, config)
 
 
 @torch.library.custom_op("k3::situ_forward_sm90", mutates_args=())

@@ -6,7 +6,9 @@
 //                                                  k-major: element (k, n) at n*K + k (a [N, K] weight)
 //   1 dgrad    the same with B_e n-major: element (k, n) at k*N + n (a [K, N] weight)
 //   2 wgrad    D_e = A[rows of e]^T @ B[rows of e]  A [M, O], B [M, N] row-major, D [G, O, N]: K = the group's
-//                                                  rows (ragged; a group without rows gets D_e = 0)
+//                                                  rows (ragged; a group without rows gets D_e = 0). One or two
+//                                                  such products over the same rows run in one launch, their
+//                                                  groups ordered by row count (describe_wgrad)
 //
 // The expert-tiled products (rows padded per group to the tile, ExpertTileScheduler below) also come with SiTU-GLU in
 // the epilogues of configuration 1's W13 forward and W2 dgrad (situ_epilogue.cuh).
@@ -124,41 +126,75 @@ struct GroupedGemm {
   }
 };
 
-// Group e's pointers, strides and (M, N, K) from the cumulative row counts; one thread a group. Modes 0 and 1:
-// the group's rows are its M; mode 2: they are its K, and M = rows_fixed (O).
+// Group e's pointers, strides and (M, N, K) from the cumulative row counts; one thread a group (modes 0 and 1:
+// the group's rows are its M).
 template <class G>
-__global__ void describe_groups(typename G::Arrays r, const int* offsets, int groups, int rows_fixed, int N, int K,
-                                const Bf16* a, const Bf16* b, int64_t b_group_stride, Bf16* d,
-                                typename G::StrideA sa, typename G::StrideB sb, typename G::StrideD sd) {
+__global__ void describe_groups(typename G::Arrays r, const int* offsets, int groups, int N, int K, const Bf16* a,
+                                const Bf16* b, int64_t b_group_stride, Bf16* d, typename G::StrideA sa,
+                                typename G::StrideB sb, typename G::StrideD sd) {
+  static_assert(G::kMode != 2, "the weight gradients are described by describe_wgrad");
   int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= groups) return;
   int start = e == 0 ? 0 : offsets[e - 1];
   int rows = offsets[e] - start;
-  if constexpr (G::kMode == 2) {
-    r.a[e] = a + static_cast<int64_t>(start) * rows_fixed;
-    r.b[e] = b + static_cast<int64_t>(start) * N;
-    r.d[e] = d + static_cast<int64_t>(e) * rows_fixed * N;
-    // a group without rows gets no tiles at all (M = 0), so no TMA descriptor of a zero extent is ever used;
-    // zero_empty_groups writes its dW
-    r.shape[e] = typename G::Shape(rows == 0 ? 0 : rows_fixed, N, rows);
-  } else {
-    r.a[e] = a + static_cast<int64_t>(start) * K;
-    r.b[e] = b + e * b_group_stride;
-    r.d[e] = d + static_cast<int64_t>(start) * N;
-    r.shape[e] = typename G::Shape(rows, N, K);
-  }
+  r.a[e] = a + static_cast<int64_t>(start) * K;
+  r.b[e] = b + e * b_group_stride;
+  r.d[e] = d + static_cast<int64_t>(start) * N;
+  r.shape[e] = typename G::Shape(rows, N, K);
   r.sa[e] = sa;
   r.sb[e] = sb;
   r.sd[e] = sd;
 }
 
-// wgrad: D_e = 0 for a group without rows (the GEMM's mainloop never runs there, leaving its accumulators
-// unset). One block a group; the others return at once.
-__global__ void zero_empty_groups(Bf16* d, const int* offsets, int64_t group_elems) {
-  int e = blockIdx.x;
-  if (offsets[e] != (e == 0 ? 0 : offsets[e - 1])) return;
-  Bf16* out = d + e * group_elems;
-  for (int64_t i = threadIdx.x; i < group_elems; i += blockDim.x) out[i] = Bf16(0.0f);
+// Up to two weight gradients over the same row groups (mode 2): product p is D_p[e] = G_p[rows of e]^T X_p[rows of e],
+// G_p [M, O_p], X_p [M, C_p], D_p [E, O_p, C_p], all packed.
+template <class G>
+struct WgradProducts {
+  static constexpr int kMax = 2;
+  const Bf16* g[kMax];
+  const Bf16* x[kMax];
+  Bf16* d[kMax];
+  int O[kMax];
+  int C[kMax];
+  typename G::StrideA sa[kMax];
+  typename G::StrideB sb[kMax];
+  typename G::StrideD sd[kMax];
+};
+
+// Block (e, p) describes product p's group of expert e. The groups are placed by the experts' row counts, largest
+// first (ties by index), products innermost: group rank(e) * P + p. CUTLASS's persistent scheduler hands CTA c the
+// tiles c, c + grid, ... in group order, so the longest K loops start first and the short ones fill the tail (what
+// an expert order would leave to one CTA under skewed routing). An expert without rows gets no tiles (M = 0, so no
+// TMA descriptor of a zero extent is used) and this block zeroes its D_p[e] instead (the mainloop never runs there).
+template <class G>
+__global__ void describe_wgrad(typename G::Arrays r, const int* offsets, int experts, WgradProducts<G> w) {
+  int e = blockIdx.x, p = blockIdx.y, P = gridDim.y;
+  int start = e == 0 ? 0 : offsets[e - 1];
+  int rows = offsets[e] - start;
+  int64_t elems = static_cast<int64_t>(w.O[p]) * w.C[p];
+  Bf16* d = w.d[p] + e * elems;
+  if (rows == 0) {
+    for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) d[i] = Bf16(0.0f);
+  }
+  __shared__ int ahead;  // experts placed before e
+  if (threadIdx.x == 0) ahead = 0;
+  __syncthreads();
+  int mine = 0;
+  for (int j = threadIdx.x; j < experts; j += blockDim.x) {
+    int n = offsets[j] - (j == 0 ? 0 : offsets[j - 1]);
+    mine += n > rows || (n == rows && j < e);
+  }
+  if (mine) atomicAdd(&ahead, mine);
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  int slot = ahead * P + p;
+  r.a[slot] = w.g[p] + static_cast<int64_t>(start) * w.O[p];
+  r.b[slot] = w.x[p] + static_cast<int64_t>(start) * w.C[p];
+  r.d[slot] = d;
+  r.shape[slot] = typename G::Shape(rows == 0 ? 0 : w.O[p], w.C[p], rows);
+  r.sa[slot] = w.sa[p];
+  r.sb[slot] = w.sb[p];
+  r.sd[slot] = w.sd[p];
 }
 
 // Runs a CUTLASS device GEMM on its arguments: 0, or the step that failed (2 workspace too small, 3
@@ -187,23 +223,43 @@ size_t workspace_bytes(int groups, int sm_count) {
 }
 
 template <class G>
-int run(const void* a, const void* b, void* d, const int* offsets, int groups, int rows_fixed, int N, int K,
-        int64_t b_group_stride, void* arrays, void* workspace, size_t workspace_size, int sm_count,
-        cudaStream_t stream) {
+int run(const void* a, const void* b, void* d, const int* offsets, int groups, int N, int K, int64_t b_group_stride,
+        void* arrays, void* workspace, size_t workspace_size, int sm_count, cudaStream_t stream) {
   auto r = G::carve(arrays, groups);
-  // Every group's matrices are packed: the strides are the same for all groups (the K and M given here only
-  // pick the leading dimension).
-  int lead_a = G::kMode == 2 ? rows_fixed : K;
-  auto sa = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(lead_a, lead_a, 1));
+  // Every group's matrices are packed: the strides are the same for all groups.
+  auto sa = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(K, K, 1));
   auto sb = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(N, K, 1));
   auto sd = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(1, N, 1));
   describe_groups<G><<<(groups + 127) / 128, 128, 0, stream>>>(
-      r, offsets, groups, rows_fixed, N, K, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b),
-      b_group_stride, static_cast<Bf16*>(d), sa, sb, sd);
-  if constexpr (G::kMode == 2) {
-    zero_empty_groups<<<groups, 256, 0, stream>>>(static_cast<Bf16*>(d), offsets,
-                                                  static_cast<int64_t>(rows_fixed) * N);
+      r, offsets, groups, N, K, static_cast<const Bf16*>(a), static_cast<const Bf16*>(b), b_group_stride,
+      static_cast<Bf16*>(d), sa, sb, sd);
+  if (cudaGetLastError() != cudaSuccess) return 1;
+  return launch<typename G::Gemm>(G::arguments(r, groups, sm_count), workspace, workspace_size, stream);
+}
+
+// The weight gradients of `products` (1 or 2) products over `experts` row groups in one launch of experts * products
+// CUTLASS groups (describe_wgrad).
+template <class G>
+int run_wgrad(int products, const void* const* g, const void* const* x, void* const* d, const int* O, const int* C,
+              const int* offsets, int experts, void* arrays, void* workspace, size_t workspace_size, int sm_count,
+              cudaStream_t stream) {
+  static_assert(G::kMode == 2, "run_wgrad runs the wgrad mode");
+  if (products < 1 || products > WgradProducts<G>::kMax) return 1;
+  WgradProducts<G> w{};
+  for (int p = 0; p < products; ++p) {
+    w.g[p] = static_cast<const Bf16*>(g[p]);
+    w.x[p] = static_cast<const Bf16*>(x[p]);
+    w.d[p] = static_cast<Bf16*>(d[p]);
+    w.O[p] = O[p];
+    w.C[p] = C[p];
+    // A^T (column-major [O, K]) leads by O; B by C; D is a packed row-major [O, C]
+    w.sa[p] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(O[p], O[p], 1));
+    w.sb[p] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(C[p], C[p], 1));
+    w.sd[p] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(1, C[p], 1));
   }
+  int groups = experts * products;
+  auto r = G::carve(arrays, groups);
+  describe_wgrad<G><<<dim3(experts, products), 256, 0, stream>>>(r, offsets, experts, w);
   if (cudaGetLastError() != cudaSuccess) return 1;
   return launch<typename G::Gemm>(G::arguments(r, groups, sm_count), workspace, workspace_size, stream);
 }
@@ -434,7 +490,7 @@ int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int*
 extern "C" {
 
 // Bumped when an entry point's arguments change, so that a stale build is refused (grouped_gemm_sm90.ABI_VERSION).
-int k3gg_abi_version() { return 3; }
+int k3gg_abi_version() { return 4; }
 
 int k3gg_num_configs() {
 #define K3_COUNT(i, ...) +1
@@ -442,13 +498,14 @@ int k3gg_num_configs() {
 #undef K3_COUNT
 }
 
-// Dispatch on (config, mode) to G = GroupedGemm<...> and return EXPR (the callers return 0 or -1 after it).
-#define K3_MODES(i, pp, tm, tn, tk, cm, EXPR)                                                   \
-  if (config == i) {                                                                           \
-    if (mode == 0) { using G = GroupedGemm<pp, tm, tn, tk, cm, 0>; return EXPR; }            \
-    if (mode == 1) { using G = GroupedGemm<pp, tm, tn, tk, cm, 1>; return EXPR; }            \
-    if (mode == 2) { using G = GroupedGemm<pp, tm, tn, tk, cm, 2>; return EXPR; }            \
-  }
+// Dispatch on (config, mode) to G = GroupedGemm<...> and return EXPR (the callers return 0 or -1 after it):
+// K3_MODE for one mode m, K3_PRODUCT_MODES for the products (0, 1), K3_MODES for all three.
+#define K3_MODE(i, pp, tm, tn, tk, cm, m, EXPR) \
+  if (config == i && mode == m) { using G = GroupedGemm<pp, tm, tn, tk, cm, m>; return EXPR; }
+#define K3_PRODUCT_MODES(i, pp, tm, tn, tk, cm, EXPR) \
+  K3_MODE(i, pp, tm, tn, tk, cm, 0, EXPR) K3_MODE(i, pp, tm, tn, tk, cm, 1, EXPR)
+#define K3_MODES(i, pp, tm, tn, tk, cm, EXPR) \
+  K3_PRODUCT_MODES(i, pp, tm, tn, tk, cm, EXPR) K3_MODE(i, pp, tm, tn, tk, cm, 2, EXPR)
 
 // Bytes of the per-group array buffer the caller provides.
 size_t k3gg_array_bytes(int config, int mode, int groups) {
@@ -467,16 +524,32 @@ size_t k3gg_workspace_bytes(int config, int mode, int groups, int sm_count) {
 }
 
 // 0 on success; 1-6: which step failed (a launch before the GEMM, workspace size, can_implement, initialize,
-// run, launch error); -1: unknown configuration or mode. rows_fixed: mode 2's O (ignored otherwise); K: modes
-// 0 and 1's (ignored in mode 2, where each group's rows are its K).
-int k3gg_run(int config, int mode, const void* a, const void* b, void* d, const int* offsets, int groups,
-             int rows_fixed, int N, int K, int64_t b_group_stride, void* arrays, void* workspace,
-             size_t workspace_size, int sm_count, void* stream) {
+// run, launch error); -1: unknown configuration or mode (0 or 1: the products; the weight gradients run through
+// k3gg_wgrad_run).
+int k3gg_run(int config, int mode, const void* a, const void* b, void* d, const int* offsets, int groups, int N,
+             int K, int64_t b_group_stride, void* arrays, void* workspace, size_t workspace_size, int sm_count,
+             void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-#define K3_CASE(i, pp, tm, tn, tk, cm)                                                                          \
-  K3_MODES(i, pp, tm, tn, tk, cm,                                                                               \
-           run<G>(a, b, d, offsets, groups, rows_fixed, N, K, b_group_stride, arrays, workspace, workspace_size, \
-                  sm_count, s))
+#define K3_CASE(i, pp, tm, tn, tk, cm)                                                                              \
+  K3_PRODUCT_MODES(i, pp, tm, tn, tk, cm,                                                                           \
+                   run<G>(a, b, d, offsets, groups, N, K, b_group_stride, arrays, workspace, workspace_size, sm_count, \
+                          s))
+  K3_CONFIGS(K3_CASE)
+#undef K3_CASE
+  return -1;
+}
+
+// Mode 2: D_p[e] = G_p[rows of e]^T X_p[rows of e] for p < products (1 or 2; arrays of that length), G_p [M, O_p],
+// X_p [M, C_p], D_p [experts, O_p, C_p] bf16 packed; one launch, experts * products CUTLASS groups (the array and
+// workspace sizes of mode 2 at that many groups). Status codes as k3gg_run's.
+int k3gg_wgrad_run(int config, int products, const void* const* g, const void* const* x, void* const* d, const int* O,
+                   const int* C, const int* offsets, int experts, void* arrays, void* workspace, size_t workspace_size,
+                   int sm_count, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  int mode = 2;
+#define K3_CASE(i, pp, tm, tn, tk, cm) \
+  K3_MODE(i, pp, tm, tn, tk, cm, 2,     \
+          run_wgrad<G>(products, g, x, d, O, C, offsets, experts, arrays, workspace, workspace_size, sm_count, s))
   K3_CONFIGS(K3_CASE)
 #undef K3_CASE
   return -1;

@@ -89,6 +89,37 @@ def test_wgrad_matches_aten(config):
 @pytest.mark.gpu
 @pytest.mark.skipif(not gg.available(), reason="needs an sm_90 GPU and the built library (kernels.grouped_gemm_sm90.build)")
 @pytest.mark.parametrize("config", range(len(gg.CONFIGS)))
+@pytest.mark.parametrize("skewed", [False, True])
+def test_wgrad_pair_matches_single_launches(config, skewed):
+    """The W13 and W2 weight gradients in one launch (groups placed by row count) against the aten reference and,
+    bit for bit, against one launch each (a tile's accumulation does not depend on which CTA runs it or when):
+    32 experts, four empty, near-even or skewed counts (uniform draws to the 8th power), with ties. The outputs may
+    reuse a freed block of NaN, so an empty expert's zeros must be written, not found."""
+    from kernels.grouped_wgrad import reference
+
+    gen = torch.Generator().manual_seed(30 + config)
+    E = 32
+    weights = torch.rand(E, generator=gen) ** (8 if skewed else 1)
+    counts = (weights / weights.sum() * 6000).round().long()
+    counts[[1, 7, 8, 30]] = 0
+    counts[[2, 3]] = int(counts[4])  # ties in the by-size order
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    M = int(counts.sum())
+    g1, x1 = (torch.randn(M, n, generator=gen).cuda().bfloat16() for n in (512, 384))
+    g2, x2 = (torch.randn(M, n, generator=gen).cuda().bfloat16() for n in (384, 256))
+    torch.full((4 * E * 512 * 384,), float("nan"), device="cuda")  # freed at once: the outputs may reuse it
+    dw1, dw2 = gg.grouped_wgrad_pair(g1, x1, g2, x2, offsets, config)
+    assert dw1.shape == (E, 512, 384) and dw2.shape == (E, 384, 256)
+    for got, (g, x) in ((dw1, (g1, x1)), (dw2, (g2, x2))):
+        want = reference.grouped_wgrad_aten(g, x, offsets)
+        assert bool((got[counts.cuda() == 0] == 0).all())
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+        assert torch.equal(got, gg.grouped_wgrad(g, x, offsets, config))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gg.available(), reason="needs an sm_90 GPU and the built library (kernels.grouped_gemm_sm90.build)")
+@pytest.mark.parametrize("config", range(len(gg.CONFIGS)))
 def test_batched_matches_bmm(config):
     """The plain batched kernels: random bf16 [L, M, K] × k-major [L, K, N], M not a multiple of any tile."""
     gen = torch.Generator().manual_seed(20 + config)
