@@ -271,7 +271,7 @@ def validate_expert_gemm(pr: PrecisionConfig, expert_parallel: int, device_type:
               f"precision.expert_gemm={pr.expert_gemm} runs bf16 GEMMs, but precision.dtype={pr.dtype} is fp32; "
               f"set precision.dtype=auto or bf16, or precision.expert_gemm=torch")
     else:
-        _need(gemm.tiled and gemm.wgrad is None,
+        _need(gemm.tiled and gemm.wgrad is None and not gemm.tiled_wgrad,
               f"precision.expert_gemm={pr.expert_gemm} on {device_type}: the CUTLASS kernels run on CUDA only (on CPU "
               f"\"tiles:<t>\" runs its torch reference); set precision.expert_gemm=torch or tiles:<t>")
 

@@ -42,6 +42,8 @@ from kernels.grouped_gemm_sm90 import expert_tiled_situ_forward_op as cutlass_si
 from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
 from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
 from kernels.grouped_gemm_sm90 import grouped_wgrad_pair_op as cutlass_grouped_wgrad_pair
+from kernels.grouped_gemm_sm90 import expert_wgrad_op as cutlass_expert_wgrad
+from kernels.grouped_gemm_sm90 import expert_wgrad_pair_op as cutlass_expert_wgrad_pair
 from kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_pair
 from kernels.moe_plan import group_offsets
 from kernels.situ import situ_glu_interleaved
@@ -57,6 +59,7 @@ class GroupedGemm(NamedTuple):
     wgrad: int | None = None
     tiled: bool = False
     situ_epilogue: bool = False
+    tiled_wgrad: bool = False  # the weight gradients on the expert-tiled CUTLASS kernel (":w")
 
     @property
     def row_tile(self) -> int:
@@ -72,21 +75,23 @@ def grouped_gemm_configs(gemm: str) -> GroupedGemm:
     configuration j for the weight gradients too ("fused:1:j": W13's and W2's in one launch; "fused:1:3" the
     fastest under natural routing, session 37)."""
     parts = gemm.split(":")
+    tiled_wgrad = len(parts) == 3 and parts[2] == "w" and parts[0] in ("tiles", "fused")
+    numbers = parts[1:2] if tiled_wgrad else parts[1:]
     ok = parts == ["torch"] or (parts[0] in ("cutlass", "tiles", "fused") and len(parts) in (2, 3) and
-                                all(p.isdigit() and int(p) < len(CUTLASS_CONFIGS) for p in parts[1:]))
+                                all(p.isdigit() and int(p) < len(CUTLASS_CONFIGS) for p in numbers))
     if ok and parts[0] == "tiles" and CUTLASS_CONFIGS[int(parts[1])].cluster_m != 1:
         ok = False
     if ok and parts[0] == "fused" and int(parts[1]) != SITU_CONFIG:
         ok = False
     if not ok:
         tiled = [i for i, c in enumerate(CUTLASS_CONFIGS) if c.cluster_m == 1]
-        raise ValueError(f"grouped GEMM {gemm!r}: 'torch', 'cutlass:<i>[:<j>]', 'tiles:<t>[:<j>]' or "
-                         f"'fused:{SITU_CONFIG}[:<j>]' with i, j in 0..{len(CUTLASS_CONFIGS) - 1} and t in {tiled} "
-                         f"(kernels.grouped_gemm_sm90.CONFIGS)")
+        raise ValueError(f"grouped GEMM {gemm!r}: 'torch', 'cutlass:<i>[:<j>]', 'tiles:<t>[:<j>|:w]' or "
+                         f"'fused:{SITU_CONFIG}[:<j>|:w]' with i, j in 0..{len(CUTLASS_CONFIGS) - 1} and t in {tiled} "
+                         f"(kernels.grouped_gemm_sm90.CONFIGS; w: the weight gradients on the expert-tiled kernel)")
     if parts == ["torch"]:
         return GroupedGemm()
-    return GroupedGemm(int(parts[1]), int(parts[2]) if len(parts) == 3 else None, parts[0] in ("tiles", "fused"),
-                       parts[0] == "fused")
+    return GroupedGemm(int(parts[1]), int(parts[2]) if len(parts) == 3 and not tiled_wgrad else None,
+                       parts[0] in ("tiles", "fused"), parts[0] == "fused", tiled_wgrad)
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gemm: GroupedGemm,
@@ -125,6 +130,8 @@ class _GroupedLinear(torch.autograd.Function):
 
 def _grouped_wgrad(grad_y: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, gemm: GroupedGemm) -> torch.Tensor:
     """dW[e] = grad_y[rows of e]ᵀ x[rows of e] by ``gemm``'s weight-gradient kernel."""
+    if gemm.tiled_wgrad:
+        return cutlass_expert_wgrad(grad_y.contiguous(), x.contiguous(), offsets)
     if gemm.wgrad is None:
         return grouped_wgrad(grad_y, x, offsets)
     return cutlass_grouped_wgrad(grad_y.contiguous(), x.contiguous(), offsets, gemm.wgrad)
@@ -151,7 +158,9 @@ class _SiTUExperts(torch.autograd.Function):
         d_pre, d_scale = cutlass_situ_backward(grad_y, w2, pre, tile_expert, row_scale, *ctx.betas)
         grad_x = cutlass_expert_tiled_mm(d_pre, w13, tile_expert, gemm.mm)
         want_w13, want_w2 = ctx.needs_input_grad[1:3]
-        if want_w13 and want_w2:  # both in one launch
+        if want_w13 and want_w2 and gemm.tiled_wgrad:
+            grad_w13, grad_w2 = cutlass_expert_wgrad_pair(d_pre, x, grad_y, h, offsets)
+        elif want_w13 and want_w2:  # both in one launch
             grad_w13, grad_w2 = (grouped_wgrad_pair(d_pre, x, grad_y, h, offsets) if gemm.wgrad is None else
                                  cutlass_grouped_wgrad_pair(d_pre, x, grad_y, h, offsets, gemm.wgrad))
         else:

@@ -94,8 +94,9 @@ MODES = {"k-major": 0, "n-major": 1, "wgrad": 2}  # grouped_gemm.cu's modes
 _STEPS = {1: "a launch before the GEMM", 2: "workspace too small", 3: "CUTLASS can_implement",
           4: "CUTLASS initialize", 5: "CUTLASS run", 6: "a launch error", -1: "unknown configuration"}
 
-ABI_VERSION = 4  # grouped_gemm.cu's k3gg_abi_version: the entry points' arguments (2 had a pdl flag, since removed;
-# 4 runs the weight gradients through k3gg_wgrad_run, one or two products a launch)
+ABI_VERSION = 5  # grouped_gemm.cu's k3gg_abi_version: the entry points' arguments (2 had a pdl flag, since removed;
+# 4 runs the weight gradients through k3gg_wgrad_run, one or two products a launch; 5 adds k3gg_expert_wgrad)
+EXPERT_WGRAD_ROW_TILE = 64  # the expert-tiled weight gradient reads each expert's rows 64 at a time
 
 _lib = None
 
@@ -141,6 +142,8 @@ def _load():
         lib.k3gg_run.restype = i32
         lib.k3gg_wgrad_run.argtypes = [i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, size_t, i32, ptr]
         lib.k3gg_wgrad_run.restype = i32
+        lib.k3gg_expert_wgrad.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, ptr, ptr, size_t, i32, ptr]
+        lib.k3gg_expert_wgrad.restype = i64
         lib.k3gg_batched_workspace_bytes.argtypes = [i32, i32, i32, i32, i32, i32]
         lib.k3gg_batched_workspace_bytes.restype = size_t
         lib.k3gg_batched_run.argtypes = [i32, ptr, ptr, ptr, i32, i32, i32, i32, ptr, size_t, i32, ptr]
@@ -220,13 +223,7 @@ def _run(config: int, mode: str, a: torch.Tensor, b: torch.Tensor, out: torch.Te
 def _wgrad(products: list[tuple[torch.Tensor, torch.Tensor]], offsets: torch.Tensor, config: int
            ) -> list[torch.Tensor]:
     """dw_p[e] = g_p[rows of e]ᵀ x_p[rows of e] for each (g_p, x_p) of ``products`` (one or two) in one launch."""
-    for i, (g, x) in enumerate(products):
-        if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0] or not (g.is_contiguous() and x.is_contiguous()):
-            raise ValueError(f"product {i}: g and x must be contiguous [M, O] and [M, C], got {tuple(g.shape)} and "
-                             f"{tuple(x.shape)}")
-        _check({"g": g, "x": x}, offsets, offsets.shape[0] if offsets.dim() == 1 else -1, config)
-    if len({g.shape[0] for g, _ in products}) != 1:
-        raise ValueError(f"the products' rows differ: {[tuple(g.shape) for g, _ in products]}")
+    _check_wgrad_products(products, offsets, config)
     experts, g0 = offsets.shape[0], products[0][0]
     outs = [g.new_empty(experts, g.shape[1], x.shape[1]) for g, x in products]
     if g0.shape[0] == 0:
@@ -257,6 +254,45 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: 
     if a.shape[0] == 0:
         return out
     return _run(config, layout, a, b, out, offsets, N, K, b.stride(0))
+
+
+def _check_wgrad_products(products: list[tuple[torch.Tensor, torch.Tensor]], offsets: torch.Tensor,
+                          config: int) -> None:
+    for i, (g, x) in enumerate(products):
+        if g.dim() != 2 or x.dim() != 2 or g.shape[0] != x.shape[0] or not (g.is_contiguous() and x.is_contiguous()):
+            raise ValueError(f"product {i}: g and x must be contiguous [M, O] and [M, C], got {tuple(g.shape)} and "
+                             f"{tuple(x.shape)}")
+        _check({"g": g, "x": x}, offsets, offsets.shape[0] if offsets.dim() == 1 else -1, config)
+    if len({g.shape[0] for g, _ in products}) != 1:
+        raise ValueError(f"the products' rows differ: {[tuple(g.shape) for g, _ in products]}")
+
+
+def expert_tiled_wgrad(products: list[tuple[torch.Tensor, torch.Tensor]], offsets: torch.Tensor) -> list[torch.Tensor]:
+    """dw_p[e] = g_p[rows of e]ᵀ x_p[rows of e] for each (g_p, x_p) of ``products`` (one or two) on the expert-tiled
+    kernel: every expert's rows start and end on a multiple of ``EXPERT_WGRAD_ROW_TILE`` (the padded layout's
+    offsets; not checked, it would read the host), one launch ordering the experts, one GEMM launch a product."""
+    _check_wgrad_products(products, offsets, 0)
+    experts, (g0, _) = offsets.shape[0], products[0]
+    if g0.shape[0] % EXPERT_WGRAD_ROW_TILE:
+        raise ValueError(f"the expert-tiled weight gradient reads rows padded per expert to a multiple of "
+                         f"{EXPERT_WGRAD_ROW_TILE}; got {g0.shape[0]} rows")
+    outs = [g.new_empty(experts, g.shape[1], x.shape[1]) for g, x in products]
+    if g0.shape[0] == 0:
+        return [out.zero_() for out in outs]
+    lib, P = _load(), len(products)
+    sm_count = torch.cuda.get_device_properties(g0.device).multi_processor_count
+    ptrs, ints = ctypes.c_void_p * P, ctypes.c_int * P
+    args = (P, ptrs(*(g.data_ptr() for g, _ in products)), ptrs(*(x.data_ptr() for _, x in products)),
+            ptrs(*(o.data_ptr() for o in outs)), ints(*(g.shape[1] for g, _ in products)),
+            ints(*(x.shape[1] for _, x in products)), offsets.data_ptr(), experts, g0.shape[0])
+    ws_bytes = lib.k3gg_expert_wgrad(*args, None, None, 0, sm_count, None)
+    workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=g0.device)
+    order = torch.empty(experts, dtype=torch.int32, device=g0.device)
+    status = lib.k3gg_expert_wgrad(*args, order.data_ptr(), workspace.data_ptr(), ws_bytes, sm_count,
+                                   torch.cuda.current_stream(g0.device).cuda_stream)
+    if status:
+        raise RuntimeError(f"expert-tiled wgrad, {P} product(s), E={experts}: failed at {_STEPS.get(status, status)}")
+    return outs
 
 
 def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, config: int = 0) -> torch.Tensor:
@@ -523,6 +559,39 @@ def grouped_wgrad_pair_op(g1: torch.Tensor, x1: torch.Tensor, g2: torch.Tensor, 
                           offsets: torch.Tensor, config: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``grouped_wgrad_pair`` as the custom op ``k3::grouped_wgrad_pair_sm90``: what compiled graphs call."""
     return _grouped_wgrad_pair_op(g1, x1, g2, x2, offsets, config)
+
+
+@torch.library.custom_op("k3::expert_wgrad_pair_sm90", mutates_args=())
+def _expert_wgrad_pair_op(g1: torch.Tensor, x1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor,
+                          offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dw1, dw2 = expert_tiled_wgrad([(g1, x1), (g2, x2)], offsets)
+    return dw1, dw2
+
+
+@_expert_wgrad_pair_op.register_fake
+def _expert_wgrad_pair_fake(g1, x1, g2, x2, offsets):
+    return _grouped_wgrad_fake(g1, x1, offsets, 0), _grouped_wgrad_fake(g2, x2, offsets, 0)
+
+
+def expert_wgrad_pair_op(g1: torch.Tensor, x1: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor,
+                         offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_tiled_wgrad`` of the two products as the custom op ``k3::expert_wgrad_pair_sm90``."""
+    return _expert_wgrad_pair_op(g1, x1, g2, x2, offsets)
+
+
+@torch.library.custom_op("k3::expert_wgrad_sm90", mutates_args=())
+def _expert_wgrad_op(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return expert_tiled_wgrad([(g, x)], offsets)[0]
+
+
+@_expert_wgrad_op.register_fake
+def _expert_wgrad_fake(g, x, offsets):
+    return _grouped_wgrad_fake(g, x, offsets, 0)
+
+
+def expert_wgrad_op(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``expert_tiled_wgrad`` of one product as the custom op ``k3::expert_wgrad_sm90``."""
+    return _expert_wgrad_op(g, x, offsets)
 
 
 @torch.library.custom_op("k3::situ_forward_sm90", mutates_args=())

@@ -18,6 +18,7 @@
 // buffer from the device offsets (no host read), then the CUTLASS kernel runs. Nothing allocates or
 // synchronises, so the call can be captured in a CUDA graph.
 
+#include <algorithm>
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -166,17 +167,10 @@ struct WgradProducts {
 // tiles c, c + grid, ... in group order, so the longest K loops start first and the short ones fill the tail (what
 // an expert order would leave to one CTA under skewed routing). An expert without rows gets no tiles (M = 0, so no
 // TMA descriptor of a zero extent is used) and this block zeroes its D_p[e] instead (the mainloop never runs there).
-template <class G>
-__global__ void describe_wgrad(typename G::Arrays r, const int* offsets, int experts, WgradProducts<G> w) {
-  int e = blockIdx.x, p = blockIdx.y, P = gridDim.y;
-  int start = e == 0 ? 0 : offsets[e - 1];
-  int rows = offsets[e] - start;
-  int64_t elems = static_cast<int64_t>(w.O[p]) * w.C[p];
-  Bf16* d = w.d[p] + e * elems;
-  if (rows == 0) {
-    for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) d[i] = Bf16(0.0f);
-  }
-  __shared__ int ahead;  // experts placed before e
+// Expert e's place when the experts are ordered by row count, largest first (ties by index): the count of experts
+// before it, by the whole block (the result in every thread).
+__device__ int rank_by_rows(const int* offsets, int experts, int e, int rows) {
+  __shared__ int ahead;
   if (threadIdx.x == 0) ahead = 0;
   __syncthreads();
   int mine = 0;
@@ -186,6 +180,24 @@ __global__ void describe_wgrad(typename G::Arrays r, const int* offsets, int exp
   }
   if (mine) atomicAdd(&ahead, mine);
   __syncthreads();
+  return ahead;
+}
+
+// Zeroes D[e] (elems values) by the whole block: the weight gradient of an expert without rows, which the GEMMs
+// give no tiles.
+__device__ void zero_expert(Bf16* d, int64_t elems) {
+  for (int64_t i = threadIdx.x; i < elems; i += blockDim.x) d[i] = Bf16(0.0f);
+}
+
+template <class G>
+__global__ void describe_wgrad(typename G::Arrays r, const int* offsets, int experts, WgradProducts<G> w) {
+  int e = blockIdx.x, p = blockIdx.y, P = gridDim.y;
+  int start = e == 0 ? 0 : offsets[e - 1];
+  int rows = offsets[e] - start;
+  int64_t elems = static_cast<int64_t>(w.O[p]) * w.C[p];
+  Bf16* d = w.d[p] + e * elems;
+  if (rows == 0) zero_expert(d, elems);
+  int ahead = rank_by_rows(offsets, experts, e, rows);
   if (threadIdx.x != 0) return;
   int slot = ahead * P + p;
   r.a[slot] = w.g[p] + static_cast<int64_t>(start) * w.O[p];
@@ -345,7 +357,36 @@ struct BatchedGemm
 // PersistentTileSchedulerSm90 over one batch's tiles in row order (raster along N, no swizzle: tile m's N tiles
 // are consecutive, so the M index only grows along a CTA's walk), with the batch index read from tile_expert. A
 // tile whose entry is negative ends the CTA's walk, as all tiles after it are past the last group too.
-struct ExpertTileScheduler : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+// PersistentTileSchedulerSm90 for a Derived that names its work tiles itself (get_current_work): the base's
+// initial_work_tile_info and fetch_next_work call its own get_current_work (no virtual dispatch), so they are restated
+// here with Derived's (the ping-pong kernel calls initial_work_tile_info and get_current_work, the cooperative one
+// fetch_next_work). A tile is never split along K, so no work continues (the base's continue_current_work is false).
+template <class Derived>
+struct RestatedWalk : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  using Base::Base;
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE auto initial_work_tile_info(ClusterShape) {
+    return self().get_current_work();
+  }
+
+  template <class Work>
+  CUTLASS_DEVICE auto fetch_next_work(Work) {
+    advance_to_next_work();
+    return cute::make_tuple(self().get_current_work(), true);
+  }
+
+  template <class Work, class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(Work work, Pipeline&, PipelineState) {
+    return fetch_next_work(work);
+  }
+
+ private:
+  CUTLASS_DEVICE Derived const& self() const { return static_cast<Derived const&>(*this); }
+};
+
+struct ExpertTileScheduler : RestatedWalk<ExpertTileScheduler> {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   struct Arguments : Base::Arguments {
     const int* tile_expert = nullptr;
@@ -372,7 +413,8 @@ struct ExpertTileScheduler : cutlass::gemm::kernel::detail::PersistentTileSchedu
   }
 
   CUTLASS_HOST_DEVICE ExpertTileScheduler() {}
-  CUTLASS_DEVICE explicit ExpertTileScheduler(Params const& params) : Base(params), tile_expert_(params.tile_expert) {}
+  CUTLASS_DEVICE explicit ExpertTileScheduler(Params const& params)
+      : RestatedWalk(params), tile_expert_(params.tile_expert) {}
 
   CUTLASS_DEVICE WorkTileInfo get_current_work() const {
     WorkTileInfo work = Base::get_current_work();
@@ -383,24 +425,6 @@ struct ExpertTileScheduler : cutlass::gemm::kernel::detail::PersistentTileSchedu
     return work;
   }
 
-  // The base's versions of these call its own get_current_work (no virtual dispatch), so each is restated
-  // with the one above: the ping-pong kernel calls initial_work_tile_info and get_current_work, the
-  // cooperative one fetch_next_work.
-  template <class ClusterShape>
-  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    return get_current_work();
-  }
-
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work) {
-    if (continue_current_work(work)) return cute::make_tuple(work, true);
-    advance_to_next_work();
-    return cute::make_tuple(get_current_work(), true);
-  }
-
-  template <class Pipeline, class PipelineState>
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work, Pipeline&, PipelineState) {
-    return fetch_next_work(work);
-  }
 
  private:
   const int* tile_expert_ = nullptr;
@@ -408,12 +432,92 @@ struct ExpertTileScheduler : cutlass::gemm::kernel::detail::PersistentTileSchedu
 
 struct ExpertTileSchedulerTag {};
 
+// Expert-tiled weight gradients: dW[e] = G[rows of e]^T X[rows of e] on the plain persistent cooperative kernel, each
+// expert's rows padded to a multiple of the K tile. The kernel sees the problem (O, C, R, E): A = G [R, O] read as an
+// M-major (O, R) matrix and B = X [R, C] as an N-major (C, R) one, both with a zero batch stride (so their TMA
+// descriptors are built once), and D [E, O, C]. This scheduler walks the (O, C) tiles batch by batch, batch b being
+// the b-th largest expert (order), names that expert as the tile's batch and gives the tile only its expert's K
+// tiles, [start_e, end_e) / TileK (the cooperative kernel asks the scheduler for each work tile's K range; the
+// ping-pong kernel does not). Experts without rows sort last and end a CTA's walk.
+struct ExpertWgradScheduler : RestatedWalk<ExpertWgradScheduler> {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  struct WorkTileInfo : Base::WorkTileInfo {
+    int32_t k_start = 0;
+    int32_t k_count = 0;
+    CUTLASS_HOST_DEVICE static WorkTileInfo invalid_work_tile() { return {}; }
+  };
+  struct Arguments : Base::Arguments {
+    const int* offsets = nullptr;  // [E] cumulative padded rows
+    const int* order = nullptr;    // [E] the experts, largest first
+  };
+  struct Params : Base::Params {
+    const int* offsets = nullptr;
+    const int* order = nullptr;
+    int tile_k = 1;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem, TileShape tile, ClusterShape cluster,
+                                        cutlass::KernelHardwareInfo const& hw_info, Arguments const& args,
+                                        void* workspace = nullptr, uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    static_assert(cute::size(ClusterShape{}) == 1, "expert weight gradients: clusters of one CTA only");
+    Base::Arguments base = args;
+    base.max_swizzle_size = 1;
+    base.raster_order = Base::RasterOrderOptions::AlongN;
+    Params params;
+    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
+        problem, tile, cluster, hw_info, base, workspace, epilogue_subtile, ktile_start_alignment_count);
+    params.offsets = args.offsets;
+    params.order = args.order;
+    params.tile_k = cute::get<2>(tile);
+    return params;
+  }
+
+  CUTLASS_HOST_DEVICE ExpertWgradScheduler() {}
+  CUTLASS_DEVICE explicit ExpertWgradScheduler(Params const& params)
+      : RestatedWalk(params), offsets_(params.offsets), order_(params.order), tile_k_(params.tile_k) {}
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+    Base::WorkTileInfo base = Base::get_current_work();
+    if (!base.is_valid()) return WorkTileInfo::invalid_work_tile();
+    int e = order_[base.L_idx];
+    int start = e == 0 ? 0 : offsets_[e - 1];
+    int end = offsets_[e];
+    if (end == start) return WorkTileInfo::invalid_work_tile();
+    WorkTileInfo work;
+    static_cast<Base::WorkTileInfo&>(work) = base;
+    work.L_idx = e;
+    work.k_start = start / tile_k_;
+    work.k_count = (end - start) / tile_k_;
+    return work;
+  }
+
+  template <class ProblemShape, class TileShape>
+  CUTLASS_HOST_DEVICE static int get_work_k_tile_count(WorkTileInfo const& work, ProblemShape, TileShape) {
+    return work.k_count;
+  }
+
+  CUTLASS_HOST_DEVICE static uint32_t get_work_k_tile_start(WorkTileInfo const& work) { return work.k_start; }
+
+ private:
+  const int* offsets_ = nullptr;
+  const int* order_ = nullptr;
+  int tile_k_ = 1;
+};
+
+struct ExpertWgradSchedulerTag {};
+
 }  // namespace
 
 namespace cutlass::gemm::kernel::detail {
 template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
 struct TileSchedulerSelector<ExpertTileSchedulerTag, ArchTag, TileShape, ClusterShape, Stages> {
   using Scheduler = ExpertTileScheduler;
+};
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
+struct TileSchedulerSelector<ExpertWgradSchedulerTag, ArchTag, TileShape, ClusterShape, Stages> {
+  using Scheduler = ExpertWgradScheduler;
 };
 }  // namespace cutlass::gemm::kernel::detail
 
@@ -474,6 +578,44 @@ int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int*
   }
 }
 
+// The expert-tiled weight gradient (ExpertWgradScheduler): cooperative 128x256x64 tiles, one-CTA clusters. A and B
+// (O or C, R) M- or N-major with a zero batch stride; D (O, C, E) row-major per expert.
+using ExpertWgradStrideAB = cute::Stride<cute::_1, int64_t, cute::_0>;
+using ExpertWgradStrideD = cute::Stride<int64_t, cute::_1, int64_t>;
+constexpr int kExpertWgradTileK = 64;  // the rows a K tile reads: each expert's rows are padded to a multiple
+
+struct ExpertWgradGemm : PlainGemm<false, 128, 256, kExpertWgradTileK, 1, ExpertWgradStrideAB, ExpertWgradStrideAB,
+                                   ExpertWgradStrideD, ExpertWgradSchedulerTag> {
+  using Base = ExpertWgradGemm::PlainGemm;
+
+  static Base::Gemm::Arguments arguments(const void* g, const void* x, void* d, const int* offsets, const int* order,
+                                         int experts, int R, int O, int C, int sm_count) {
+    ExpertWgradStrideAB sa{{}, static_cast<int64_t>(O), {}};
+    ExpertWgradStrideAB sb{{}, static_cast<int64_t>(C), {}};
+    ExpertWgradStrideD sd{static_cast<int64_t>(C), {}, static_cast<int64_t>(O) * C};
+    auto args = Base::arguments(g, sa, x, sb, d, sd, O, C, R, experts, sm_count);
+    args.scheduler.offsets = offsets;
+    args.scheduler.order = order;
+    return args;
+  }
+};
+
+// Up to two products' weight gradients D_p [E, elems_p]: what order_experts zeroes.
+struct ExpertGradients {
+  Bf16* d[2];
+  int64_t elems[2];
+};
+
+// Block (e, p): order[rank(e)] = e (experts by row count, largest first), and D_p[e] zeroed where expert e has no rows.
+__global__ void order_experts(const int* offsets, int experts, int* order, ExpertGradients w) {
+  int e = blockIdx.x, p = blockIdx.y;
+  int start = e == 0 ? 0 : offsets[e - 1];
+  int rows = offsets[e] - start;
+  if (rows == 0) zero_expert(w.d[p] + e * w.elems[p], w.elems[p]);
+  int ahead = rank_by_rows(offsets, experts, e, rows);
+  if (threadIdx.x == 0 && p == 0) order[ahead] = e;
+}
+
 // SiTU-GLU in the epilogues of configuration 1's expert-tiled products (SituForwardGemm, SituBackwardGemm).
 #include "situ_epilogue.cuh"
 
@@ -490,7 +632,7 @@ int64_t expert_tiled(int mode, const void* a, const void* b, void* d, const int*
 extern "C" {
 
 // Bumped when an entry point's arguments change, so that a stale build is refused (grouped_gemm_sm90.ABI_VERSION).
-int k3gg_abi_version() { return 4; }
+int k3gg_abi_version() { return 5; }
 
 int k3gg_num_configs() {
 #define K3_COUNT(i, ...) +1
@@ -598,6 +740,40 @@ int k3gg_expert_tiled_run(int config, int mode, const void* a, const void* b, vo
   K3_CONFIGS(K3_CASE)
 #undef K3_CASE
   return -1;
+}
+
+// Mode 2 on the expert-tiled kernel (ExpertWgradGemm): D_p[e] = G_p[rows of e]^T X_p[rows of e] for p < products (1 or
+// 2), as k3gg_wgrad_run, over R rows whose experts each start and end on a multiple of 64 (offsets: the cumulative
+// padded rows). One small launch orders the experts into order [experts] (a caller buffer) and zeroes the empty
+// ones' gradients, then one GEMM launch a product. Workspace bytes (one product's) when workspace is null, else the
+// status codes of k3gg_run.
+int64_t k3gg_expert_wgrad(int products, const void* const* g, const void* const* x, void* const* d, const int* O,
+                          const int* C, const int* offsets, int experts, int R, int* order, void* workspace,
+                          size_t workspace_size, int sm_count, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (products < 1 || products > 2) return workspace == nullptr ? -1 : 1;
+  auto make_args = [&](int p) {
+    return ExpertWgradGemm::arguments(g[p], x[p], d[p], offsets, order, experts, R, O[p], C[p], sm_count);
+  };
+  if (workspace == nullptr) {
+    int64_t bytes = 0;
+    for (int p = 0; p < products; ++p) {
+      bytes = std::max<int64_t>(bytes, ExpertWgradGemm::Gemm::get_workspace_size(make_args(p)));
+    }
+    return bytes;
+  }
+  ExpertGradients w{};
+  for (int p = 0; p < products; ++p) {
+    w.d[p] = static_cast<Bf16*>(d[p]);
+    w.elems[p] = static_cast<int64_t>(O[p]) * C[p];
+  }
+  order_experts<<<dim3(experts, products), 256, 0, s>>>(offsets, experts, order, w);
+  if (cudaGetLastError() != cudaSuccess) return 1;
+  for (int p = 0; p < products; ++p) {
+    int status = launch<ExpertWgradGemm::Gemm>(make_args(p), workspace, workspace_size, s);
+    if (status) return status;
+  }
+  return 0;
 }
 
 // SiTU in configuration 1's expert-tiled products (situ_epilogue.cuh): workspace bytes when workspace is null, else

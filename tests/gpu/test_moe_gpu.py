@@ -26,7 +26,7 @@ def _cutlass_built() -> bool:
 
 @pytest.mark.parametrize("routing", ["natural", "skewed"])
 @pytest.mark.parametrize("gemm, folded", [("torch", False), ("tiles:0", False), ("fused:1", False), ("torch", True),
-                                          ("fused:1", True), ("fused:1:0", True)])
+                                          ("fused:1", True), ("fused:1:0", True), ("fused:1:w", True)])
 def test_grouped_bf16_matches_fp32_loop(routing, gemm, folded):
     """The grouped experts in bf16 against the fp32 loop: outputs and the gradients of z, the gate weights, w13 and
     w2. ``folded``: the gate weights ride in SiTU's pass (the layer's path, ``experts_and_combine``; with "fused:1"
