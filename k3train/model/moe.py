@@ -37,13 +37,13 @@ from kernels.grouped_gemm_sm90 import CONFIGS as CUTLASS_CONFIGS
 from kernels.grouped_gemm_sm90 import SITU_CONFIG
 from kernels.grouped_gemm_sm90 import expert_tiled_mm_op as cutlass_expert_tiled_mm
 from kernels.grouped_gemm_sm90 import expert_tiled_mm_reference
+from kernels.grouped_gemm_sm90 import expert_wgrad_op as cutlass_expert_wgrad
+from kernels.grouped_gemm_sm90 import expert_wgrad_pair_op as cutlass_expert_wgrad_pair
 from kernels.grouped_gemm_sm90 import expert_tiled_situ_backward_op as cutlass_situ_backward
 from kernels.grouped_gemm_sm90 import expert_tiled_situ_forward_op as cutlass_situ_forward
 from kernels.grouped_gemm_sm90 import grouped_mm_op as cutlass_grouped_mm
 from kernels.grouped_gemm_sm90 import grouped_wgrad_op as cutlass_grouped_wgrad
 from kernels.grouped_gemm_sm90 import grouped_wgrad_pair_op as cutlass_grouped_wgrad_pair
-from kernels.grouped_gemm_sm90 import expert_wgrad_op as cutlass_expert_wgrad
-from kernels.grouped_gemm_sm90 import expert_wgrad_pair_op as cutlass_expert_wgrad_pair
 from kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_pair
 from kernels.moe_plan import group_offsets
 from kernels.situ import situ_glu_interleaved
@@ -72,8 +72,9 @@ def grouped_gemm_configs(gemm: str) -> GroupedGemm:
     "tiles:i" → its expert-tiled kernel (one-CTA-cluster configurations; rows padded per expert); "fused:1" →
     the expert-tiled configuration 1 with SiTU in its products' epilogues (``kernels.grouped_gemm_sm90.
     expert_tiled_situ_forward``; the fastest on one H200, docs/moe_notes.md §2); each with ":j" →
-    configuration j for the weight gradients too ("fused:1:j": W13's and W2's in one launch; "fused:1:3" the
-    fastest under natural routing, session 37)."""
+    configuration j for the weight gradients too ("fused:1:j": W13's and W2's in one launch), or with ":w" the
+    weight gradients on the expert-tiled kernel (``expert_tiled_wgrad``; "fused:1:w" and "fused:1:3" the fastest
+    under natural routing, session 37)."""
     parts = gemm.split(":")
     tiled_wgrad = len(parts) == 3 and parts[2] == "w" and parts[0] in ("tiles", "fused")
     numbers = parts[1:2] if tiled_wgrad else parts[1:]

@@ -19,10 +19,17 @@ torch 2.11 builds one CUTLASS pointer-array kernel for this with its configurati
 ``grouped_gemm.cu`` instantiates, to measure which suits K = 256–512 (``benchmarks/moe_components.py
 --gemm-products``). Measured on one H200 (docs/moe_notes.md §2, session 24): on the forward and dgrad products
 none beats torch's by more than 2%. The weight gradients: in the layer (``fused:1:j``, session 37), the W13 and
-W2 pair in one launch of configuration 3 took 12–17 µs less than ``kernels.grouped_wgrad``'s pair under natural
-routing and 15–19 µs more under skewed routing (an overloaded expert's tile runs its whole K on one CTA).
+W2 pair in one launch of configuration 3 took 5–17 µs less than ``kernels.grouped_wgrad``'s pair under natural
+routing across three leases and 15–23 µs more under skewed routing (an overloaded expert's tile runs its whole K on
+one CTA).
 Experimental: the model runs it only where ``RoutedExperts.grouped_gemm`` names a configuration
 (``benchmarks/moe.py --grouped-gemms``).
+
+    dw1, dw2 = expert_tiled_wgrad([(g1, x1), (g2, x2)], offsets)
+    The same on CUTLASS's plain cooperative kernel (TMA descriptors built once), each tile given only its expert's
+    K tiles by the scheduler (``ExpertWgradScheduler``): rows padded per expert to ``EXPERT_WGRAD_ROW_TILE``, as
+    the expert-tiled layout pads them. In the layer (``fused:1:w``, session 37) 0–14 µs under configuration 3's
+    pair under natural routing, 37–42 µs over it under skew.
 
     out = batched_mm(a, b, config=0)
     a [L, M, K] bf16 contiguous, b [L, K, N] a transposed view of a packed [L, N, K] → out [L, M, N] = a @ b:
@@ -231,12 +238,9 @@ def _wgrad(products: list[tuple[torch.Tensor, torch.Tensor]], offsets: torch.Ten
     lib = _load()
     P = len(products)
     arrays, workspace, ws_bytes, sm_count = _buffers(lib, config, "wgrad", experts * P, g0.device)
-    ptrs, ints = ctypes.c_void_p * P, ctypes.c_int * P
-    status = lib.k3gg_wgrad_run(config, P, ptrs(*(g.data_ptr() for g, _ in products)),
-                                ptrs(*(x.data_ptr() for _, x in products)), ptrs(*(o.data_ptr() for o in outs)),
-                                ints(*(g.shape[1] for g, _ in products)), ints(*(x.shape[1] for _, x in products)),
-                                offsets.data_ptr(), experts, arrays.data_ptr(), workspace.data_ptr(), ws_bytes,
-                                sm_count, torch.cuda.current_stream(g0.device).cuda_stream)
+    status = lib.k3gg_wgrad_run(config, *_c_products(products, outs), offsets.data_ptr(), experts, arrays.data_ptr(),
+                                workspace.data_ptr(), ws_bytes, sm_count,
+                                torch.cuda.current_stream(g0.device).cuda_stream)
     if status:
         raise RuntimeError(f"grouped wgrad {CONFIGS[config].name}, {P} product(s), E={experts}: failed at "
                            f"{_STEPS.get(status, status)}")
@@ -254,6 +258,16 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, config: 
     if a.shape[0] == 0:
         return out
     return _run(config, layout, a, b, out, offsets, N, K, b.stride(0))
+
+
+def _c_products(products: list[tuple[torch.Tensor, torch.Tensor]], outs: list[torch.Tensor]) -> tuple:
+    """The weight-gradient entry points' product arguments: (P, g pointers, x pointers, dw pointers, O, C) as C
+    arrays of length P."""
+    P = len(products)
+    ptrs, ints = ctypes.c_void_p * P, ctypes.c_int * P
+    return (P, ptrs(*(g.data_ptr() for g, _ in products)), ptrs(*(x.data_ptr() for _, x in products)),
+            ptrs(*(o.data_ptr() for o in outs)), ints(*(g.shape[1] for g, _ in products)),
+            ints(*(x.shape[1] for _, x in products)))
 
 
 def _check_wgrad_products(products: list[tuple[torch.Tensor, torch.Tensor]], offsets: torch.Tensor,
@@ -281,10 +295,7 @@ def expert_tiled_wgrad(products: list[tuple[torch.Tensor, torch.Tensor]], offset
         return [out.zero_() for out in outs]
     lib, P = _load(), len(products)
     sm_count = torch.cuda.get_device_properties(g0.device).multi_processor_count
-    ptrs, ints = ctypes.c_void_p * P, ctypes.c_int * P
-    args = (P, ptrs(*(g.data_ptr() for g, _ in products)), ptrs(*(x.data_ptr() for _, x in products)),
-            ptrs(*(o.data_ptr() for o in outs)), ints(*(g.shape[1] for g, _ in products)),
-            ints(*(x.shape[1] for _, x in products)), offsets.data_ptr(), experts, g0.shape[0])
+    args = (*_c_products(products, outs), offsets.data_ptr(), experts, g0.shape[0])
     ws_bytes = lib.k3gg_expert_wgrad(*args, None, None, 0, sm_count, None)
     workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=g0.device)
     order = torch.empty(experts, dtype=torch.int32, device=g0.device)
