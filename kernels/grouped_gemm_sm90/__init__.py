@@ -202,6 +202,12 @@ def _check(tensors: dict[str, torch.Tensor], offsets: torch.Tensor, groups: int,
         raise ValueError(f"config {config}: choose 0..{len(CONFIGS) - 1} ({[c.name for c in CONFIGS]})")
 
 
+def _check_status(status: int, what: str) -> None:
+    """RuntimeError naming ``what`` and the step a library entry point failed at (``_STEPS``), if status ≠ 0."""
+    if status:
+        raise RuntimeError(f"{what}: failed at {_STEPS.get(status, status)}")
+
+
 def _buffers(lib, config: int, mode: str, groups: int, device: torch.device):
     """The per-group array buffer and CUTLASS's workspace for ``groups`` groups: (arrays, workspace, its bytes,
     SM count)."""
@@ -221,9 +227,7 @@ def _run(config: int, mode: str, a: torch.Tensor, b: torch.Tensor, out: torch.Te
     status = lib.k3gg_run(config, MODES[mode], a.data_ptr(), b.data_ptr(), out.data_ptr(), offsets.data_ptr(),
                           groups, N, K, b_group_stride, arrays.data_ptr(), workspace.data_ptr(), ws_bytes, sm_count,
                           torch.cuda.current_stream(a.device).cuda_stream)
-    if status:
-        raise RuntimeError(f"grouped GEMM {CONFIGS[config].name}, {mode}, G={groups} N={N} K={K}: failed at "
-                           f"{_STEPS.get(status, status)}")
+    _check_status(status, f"grouped GEMM {CONFIGS[config].name}, {mode}, G={groups} N={N} K={K}")
     return out
 
 
@@ -241,9 +245,7 @@ def _wgrad(products: list[tuple[torch.Tensor, torch.Tensor]], offsets: torch.Ten
     status = lib.k3gg_wgrad_run(config, *_c_products(products, outs), offsets.data_ptr(), experts, arrays.data_ptr(),
                                 workspace.data_ptr(), ws_bytes, sm_count,
                                 torch.cuda.current_stream(g0.device).cuda_stream)
-    if status:
-        raise RuntimeError(f"grouped wgrad {CONFIGS[config].name}, {P} product(s), E={experts}: failed at "
-                           f"{_STEPS.get(status, status)}")
+    _check_status(status, f"grouped wgrad {CONFIGS[config].name}, {P} product(s), E={experts}")
     return outs
 
 
@@ -301,8 +303,7 @@ def expert_tiled_wgrad(products: list[tuple[torch.Tensor, torch.Tensor]], offset
     order = torch.empty(experts, dtype=torch.int32, device=g0.device)
     status = lib.k3gg_expert_wgrad(*args, order.data_ptr(), workspace.data_ptr(), ws_bytes, sm_count,
                                    torch.cuda.current_stream(g0.device).cuda_stream)
-    if status:
-        raise RuntimeError(f"expert-tiled wgrad, {P} product(s), E={experts}: failed at {_STEPS.get(status, status)}")
+    _check_status(status, f"expert-tiled wgrad, {P} product(s), E={experts}")
     return outs
 
 
@@ -335,9 +336,7 @@ def batched_mm(a: torch.Tensor, b: torch.Tensor, config: int = 0) -> torch.Tenso
     status = lib.k3gg_batched_run(config, a.data_ptr(), b.data_ptr(), out.data_ptr(), L, M, N, K,
                                   workspace.data_ptr(), ws_bytes, sm_count,
                                   torch.cuda.current_stream(a.device).cuda_stream)
-    if status:
-        raise RuntimeError(f"batched GEMM {CONFIGS[config].name}, L={L} M={M} N={N} K={K}: failed at "
-                           f"{_STEPS.get(status, status)}")
+    _check_status(status, f"batched GEMM {CONFIGS[config].name}, L={L} M={M} N={N} K={K}")
     return out
 
 
@@ -404,9 +403,7 @@ def expert_tiled_mm(a: torch.Tensor, b: torch.Tensor, tile_expert: torch.Tensor,
     status = lib.k3gg_expert_tiled_run(config, mode, a.data_ptr(), b.data_ptr(), out.data_ptr(),
                                        tile_expert.data_ptr(), G, a.shape[0], N, K, workspace.data_ptr(), ws_bytes,
                                        sm_count, torch.cuda.current_stream(a.device).cuda_stream)
-    if status:
-        raise RuntimeError(f"expert-tiled GEMM {CONFIGS[config].name}, {layout}, G={G} M={a.shape[0]} N={N} K={K}: "
-                           f"failed at {_STEPS.get(status, status)}")
+    _check_status(status, f"expert-tiled GEMM {CONFIGS[config].name}, {layout}, G={G} M={a.shape[0]} N={N} K={K}")
     return out
 
 
@@ -451,8 +448,7 @@ def _situ_call(fn, name: str, shape: str, *args) -> None:
     ws_bytes = fn(*ptrs, None, 0, sm_count, None)
     workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
     status = fn(*ptrs, workspace.data_ptr(), ws_bytes, sm_count, torch.cuda.current_stream(device).cuda_stream)
-    if status:
-        raise RuntimeError(f"{name} {shape}: failed at {_STEPS.get(status, status)}")
+    _check_status(status, f"{name} {shape}")
 
 
 def expert_tiled_situ_forward(x: torch.Tensor, w13: torch.Tensor, tile_expert: torch.Tensor,
