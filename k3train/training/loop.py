@@ -446,12 +446,16 @@ class Trainer:
         last = t.steps if not t.exit_after_steps else min(t.steps, self.step + t.exit_after_steps)
         # SIGTERM (SLURM preemption, a killed job) or Ctrl-C: finish the step, checkpoint, leave.
         # A second Ctrl-C raises KeyboardInterrupt at once (an unfinished checkpoint is discarded).
-        stop = {"now": False, "name": ""}
+        stop = {"now": False, "name": "", "abort": False}
+
+        def abort(_signum, _frame):
+            stop["abort"] = True
+            raise KeyboardInterrupt
 
         def request_stop(signum, _frame):
             stop.update(now=True, name=signal.Signals(signum).name)
             if signum == signal.SIGINT:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGINT, abort)
             if self.groups.is_main:  # os.write: a print here could re-enter a print it interrupted
                 again = "; Ctrl-C again aborts" if signum == signal.SIGINT else ""
                 os.write(sys.stderr.fileno(), f"k3train: {stop['name']}: saving a checkpoint after this step, "
@@ -482,6 +486,8 @@ class Trainer:
                     self.writer.finalize()
                 if (t.save_every and self.step % t.save_every == 0) or self.step == last or stop_now:
                     saved = self._save_if_healthy(final=self.step == last and not stop_now)
+                if stop["abort"]:  # the second Ctrl-C's exception was swallowed (it came inside a fork handler)
+                    raise KeyboardInterrupt
                 if stop_now:
                     self.writer.finalize()
                     what = f"saved step {self.step}" if saved else "saved nothing (inside a streak of skipped steps)"

@@ -81,9 +81,26 @@ def test_unfinished_saves_are_removed_with_a_warning(tmp_path, capsys):
     assert remove_incomplete_saves(tmp_path) == [] and remove_incomplete_saves(tmp_path / "new") == []
 
 
-def _start(run, *overrides):
+# Runs the trainer with every checkpoint save first waiting up to a minute once the file named by
+# argv[1] exists: the test then holds the trainer inside a save for as long as it needs.
+_HELD_SAVES = """
+import os, runpy, sys, time
+from k3train.training.loop import Trainer
+marker, save = sys.argv.pop(1), Trainer.save
+def held_save(self):
+    deadline = time.monotonic() + 60
+    while os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    save(self)
+Trainer.save = held_save
+runpy.run_module("k3train.train", run_name="__main__")
+"""
+
+
+def _start(run, *overrides, hold_saves_while=None):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "k3train.train", *FAST, f"train.out_dir={run}", "train.steps=1000",
+    entry = ["-m", "k3train.train"] if hold_saves_while is None else ["-c", _HELD_SAVES, str(hold_saves_while)]
+    return subprocess.Popen([sys.executable, *entry, *FAST, f"train.out_dir={run}", "train.steps=1000",
                              "train.save_every=0", "train.log_every=1", *overrides],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -117,10 +134,11 @@ def test_second_trainer_refuses_and_sigint_saves_and_stops(tmp_path):
 
 
 def test_second_sigint_aborts(tmp_path):
-    run = tmp_path / "run"
-    proc = _start(run, "train.save_every=1")
+    run, hold = tmp_path / "run", tmp_path / "hold_saves"
+    proc = _start(run, "train.save_every=1", hold_saves_while=hold)
     try:
         _wait_for_steps(run, 2)
+        hold.touch()  # from here every save waits: the trainer is still alive when the second SIGINT comes
         proc.send_signal(signal.SIGINT)
         # Two signals that arrive before Python has run the handler of the first count as one: press
         # again once the trainer has said it will save.
