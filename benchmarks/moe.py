@@ -15,6 +15,9 @@ output gradient; medians of triton.testing.do_bench (time.perf_counter on CPU), 
 replays captured in a CUDA graph (GPU time without the host's autograd and launch overhead, as under
 train.compile_mode=reduce-overhead; each row's JSON says how it was timed). --profile adds each row's
 CUDA kernels and their ms per fwd+bwd (torch.profiler over eager calls) to the output and the JSON.
+--rounds R times every row R times, round after round (the rows in the same order each round), so that a drift
+of the GPU's speed over the run reaches the dense row and the grouped ones alike: a row's ms is then the median
+of its rounds, its "of dense" the median of the rounds' dense ms / row ms, with the lowest and highest beside.
 * loop: ``RoutedExperts.forward_looped``, one GEMM pair per expert (host syncs).
 * grouped: ``LocalTokenDispatcher`` around ``RoutedExperts.forward`` (torch._grouped_mm); with
   ``--grouped-gemms torch,cutlass:0,...`` one such row per grouped GEMM (``RoutedExperts.grouped_gemm``), and with
@@ -208,6 +211,24 @@ def time_fwd_bwd(fn, dout, grad_to_none, warmup, rep, cuda_graph=False):
 
 
 
+def time_rounds(retimers, rounds: int, flops: float) -> None:
+    """Rounds 2..R of every row, in the rows' order; then each row's ms is its rounds' median, and its "of dense"
+    the median over rounds of (that round's dense ms) / (that round's row ms), the first row being dense."""
+    for row, _ in retimers:
+        row["ms_rounds"] = [row["ms"]]
+    for r in range(2, rounds + 1):
+        for row, time_again in retimers:
+            row["ms_rounds"].append(time_again())
+        print(f"round {r}: " + ", ".join(f"{row['impl']} {row['ms_rounds'][-1]:.3f}" for row, _ in retimers),
+              flush=True)
+    dense = retimers[0][0]["ms_rounds"]
+    for row, _ in retimers:
+        row["ms"] = statistics.median(row["ms_rounds"])
+        row["TFLOPs"] = flops / row["ms"] / 1e9
+        row["of_dense_rounds"] = [d / ms for d, ms in zip(dense, row["ms_rounds"])]
+        row["of_dense"] = statistics.median(row["of_dense_rounds"])
+
+
 def setup_megatron(E, k, ell, I, dtype, device):
     """(experts module, the SwiGLU loop on its weights, info), or (None, None, info with the error)."""
     try:
@@ -254,6 +275,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up per row")
     ap.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per row")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every row this many times, round after round; a row reports its rounds' median")
     ap.add_argument("--impls", default="loop,grouped,megatron",
                     help=f"rows after the two dense ones, comma-separated from {sorted(IMPLS)}")
     ap.add_argument("--cuda-graph", action="store_true",
@@ -271,6 +294,8 @@ def main(argv=None):
                     help="also list each row's CUDA kernels with their ms per fwd+bwd (torch.profiler, eager)")
     ap.add_argument("--json", default="moe_bench.json")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     impls = args.impls.split(",")
     if unknown := set(impls) - IMPLS:
         ap.error(f"--impls: unknown {sorted(unknown)}; choose from {sorted(IMPLS)}")
@@ -289,17 +314,24 @@ def main(argv=None):
     flops = 3 * (2 * M * ell * 2 * I + 2 * M * I * ell)
     info = dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
                 dtype=args.dtype, experts=E, topk=k, latent=ell, width=I, tokens=N, router_dim=args.router_dim,
-                fwdbwd_flops=flops, check_limit=CHECK_LIMIT, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                fwdbwd_flops=flops, check_limit=CHECK_LIMIT, rounds=args.rounds,
+                date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rows, loads, checks = [], {}, {}
+    retimers = []  # (row, a call that times it again) for rounds 2..R
 
     def dump():
         with open(args.json, "w") as fh:
             json.dump(dict(info=info, loads=loads, checks=checks, rows=rows), fh, indent=1)
 
-    def timed(routing, impl, fn, leaves, dout, **extra):
-        ms, how = time_fwd_bwd(fn, dout, leaves, args.warmup, args.rep, args.cuda_graph)
+    def timed(routing, impl, fn, leaves, dout, select=lambda: None, **extra):
+        """Times fn's fwd+bwd (``select`` sets the module up for it first) into a new row."""
+        def time_it():
+            select()
+            return time_fwd_bwd(fn, dout, leaves, args.warmup, args.rep, args.cuda_graph)
+        ms, how = time_it()
         rows.append(dict(routing=routing, impl=impl, ms=ms, TFLOPs=flops / ms / 1e9,
                          of_dense=rows[0]["ms"] / ms if rows else 1.0, timed_by=how, **extra))
+        retimers.append((rows[-1], lambda: time_it()[0]))
         print(f"[{routing}] {impl}: {ms:.3f} ms ({how})", flush=True)
         if args.profile and dev.type == "cuda":
             def step():  # fresh .grad each call: no accumulation kernels in the list
@@ -323,7 +355,6 @@ def main(argv=None):
         d_out = torch.randn(M, ell, device=dev, dtype=dt)
         timed("any", "dense", lambda: situ_glu_interleaved(x @ a.t()) @ b.t(), [x, a, b], d_out)
         timed("any", "dense_gemm", lambda: (x @ a.t())[:, :I] @ b.t(), [x, a, b], d_out)  # GEMMs alone
-        del x, a, b, d_out
         for kind in args.routing.split(","):
             experts, weights = make_routing(kind, N, E, k, args.router_dim)
             counts = torch.bincount(experts.flatten(), minlength=E)
@@ -335,10 +366,10 @@ def main(argv=None):
             dout = torch.randn(N, ell, device=dev, dtype=dt)
             leaves = [z, w, routed.w13, routed.w2]
 
-            def loop():
+            def loop(z=z, experts=experts, w=w):  # bound now: --rounds times it again after the next routing
                 return routed.forward_looped(z, experts, w)
 
-            def grouped():
+            def grouped(z=z, experts=experts, w=w):
                 xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts, routed.row_tile)
                 return experts_and_combine(dispatcher, routed, xg, tokens_per_expert, w, handle)
 
@@ -367,10 +398,10 @@ def main(argv=None):
             if "loop" in impls:
                 timed(kind, "loop", loop, leaves, dout)
             for gemm in gemms:
-                routed.grouped_gemm = gemm
                 for plan in plans:
-                    dispatcher.plan_backend = plan
-                    timed(kind, grouped_name(gemm, plan), grouped, leaves, dout)
+                    def select(gemm=gemm, plan=plan):
+                        routed.grouped_gemm, dispatcher.plan_backend = gemm, plan
+                    timed(kind, grouped_name(gemm, plan), grouped, leaves, dout, select=select)
             routed.grouped_gemm = "torch"
             if "megatron" not in impls:
                 pass
@@ -378,10 +409,12 @@ def main(argv=None):
                 rows.append(dict(routing=kind, impl="megatron", na=reason))
             else:
                 timed(kind, "megatron", *megatron, experts=info["megatron"]["experts"])
-            del z, w, dout, megatron
+            del z, w, dout, megatron  # (still held by the row's re-timing when --rounds > 1)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             dump()
+        if args.rounds > 1:
+            time_rounds(retimers, args.rounds, flops)
     finally:
         if dist.is_initialized():  # by setup_megatron, once megatron.core imported
             destroy_parallel()
@@ -392,12 +425,14 @@ def main(argv=None):
     for kind, ld in loads.items():
         print(f"  {kind} routing: tokens per expert max {ld['max']} / mean {ld['mean']:.0f} = "
               f"{ld['max_over_mean']:.2f}, {ld['empty']} experts without tokens")
-    print(f"{'routing':<9}{'impl':<10}{'ms f+b':>9}{'TFLOP/s':>9}{'of dense':>9}")
+    print(f"{'routing':<9}{'impl':<10}{'ms f+b':>9}{'TFLOP/s':>9}{'of dense':>9}"
+          + (f"  of dense over {args.rounds} rounds" if args.rounds > 1 else ""))
     for r in rows:
         if "na" in r:
             print(f"{r['routing']:<9}{r['impl']:<10}  n/a: {r['na']}")
         else:
-            print(f"{r['routing']:<9}{r['impl']:<10}{r['ms']:9.3f}{r['TFLOPs']:9.1f}{r['of_dense']:9.2f}")
+            spread = f"  {min(r['of_dense_rounds']):.3f}-{max(r['of_dense_rounds']):.3f}" if args.rounds > 1 else ""
+            print(f"{r['routing']:<9}{r['impl']:<10}{r['ms']:9.3f}{r['TFLOPs']:9.1f}{r['of_dense']:9.2f}{spread}")
     dump()
     print(f"wrote {args.json}")
 

@@ -78,3 +78,22 @@ def test_expert_tiled_rows_check_against_the_loop(bench, tmp_path, one_rank):
     for kind in ("natural", "skewed"):
         errors = res["checks"][kind]["grouped tiles:0"]
         assert max(errors.values()) < 1e-5, (kind, errors)
+
+
+def test_rounds_time_every_row_again_and_report_medians(bench, tmp_path, one_rank):
+    """``--rounds 3``: every row timed three times, its ms the median, its "of dense" the median of the rounds'
+    dense/row ratios (the dense row's own is exactly 1)."""
+    import statistics
+
+    res = run(bench, tmp_path, "--impls grouped --grouped-gemms torch,tiles:0 --rounds 3")
+    timed = [r for r in res["rows"] if "ms" in r]
+    assert [r["impl"] for r in timed] == ["dense", "dense_gemm"] + ["grouped", "grouped tiles:0"] * 2
+    dense = timed[0]["ms_rounds"]
+    for r in timed:
+        assert len(r["ms_rounds"]) == 3 and all(ms > 0 for ms in r["ms_rounds"]), r
+        assert r["ms"] == statistics.median(r["ms_rounds"])
+        ratios = [d / ms for d, ms in zip(dense, r["ms_rounds"])]
+        assert r["of_dense_rounds"] == ratios and r["of_dense"] == statistics.median(ratios)
+    assert timed[0]["of_dense_rounds"] == [1.0, 1.0, 1.0]
+    with pytest.raises(SystemExit):
+        bench.main(f"{SMOKE} --rounds 0 --json {tmp_path / 'x.json'}".split())
