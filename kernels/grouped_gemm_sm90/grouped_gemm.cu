@@ -361,10 +361,23 @@ struct BatchedGemm
 // initial_work_tile_info and fetch_next_work call its own get_current_work (no virtual dispatch), so they are restated
 // here with Derived's (the ping-pong kernel calls initial_work_tile_info and get_current_work, the cooperative one
 // fetch_next_work). A tile is never split along K, so no work continues (the base's continue_current_work is false).
+// The walk runs along N without swizzle, in clusters of one CTA (walk_params).
 template <class Derived>
 struct RestatedWalk : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   using Base::Base;
+
+  // The base's parameters for this walk over `problem`, as Derived::to_underlying_arguments starts them.
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Base::Params walk_params(ProblemShapeMNKL problem, TileShape tile, ClusterShape cluster,
+                                  cutlass::KernelHardwareInfo const& hw_info, Base::Arguments args, void* workspace,
+                                  uint32_t epilogue_subtile, uint32_t ktile_start_alignment_count) {
+    static_assert(cute::size(ClusterShape{}) == 1, "expert-tiled walks: clusters of one CTA only");
+    args.max_swizzle_size = 1;
+    args.raster_order = Base::RasterOrderOptions::AlongN;
+    return Base::to_underlying_arguments(problem, tile, cluster, hw_info, args, workspace, epilogue_subtile,
+                                         ktile_start_alignment_count);
+  }
 
   template <class ClusterShape>
   CUTLASS_DEVICE auto initial_work_tile_info(ClusterShape) {
@@ -387,7 +400,6 @@ struct RestatedWalk : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90
 };
 
 struct ExpertTileScheduler : RestatedWalk<ExpertTileScheduler> {
-  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   struct Arguments : Base::Arguments {
     const int* tile_expert = nullptr;
   };
@@ -400,14 +412,10 @@ struct ExpertTileScheduler : RestatedWalk<ExpertTileScheduler> {
                                         cutlass::KernelHardwareInfo const& hw_info, Arguments const& args,
                                         void* workspace = nullptr, uint32_t epilogue_subtile = 1,
                                         uint32_t ktile_start_alignment_count = 1u) {
-    static_assert(cute::size(ClusterShape{}) == 1, "expert tiles: clusters of one CTA only");
-    Base::Arguments base = args;
-    base.max_swizzle_size = 1;
-    base.raster_order = Base::RasterOrderOptions::AlongN;
     auto one_batch = cute::make_shape(cute::get<0>(problem), cute::get<1>(problem), cute::get<2>(problem), 1);
     Params params;
-    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
-        one_batch, tile, cluster, hw_info, base, workspace, epilogue_subtile, ktile_start_alignment_count);
+    static_cast<Base::Params&>(params) = walk_params(one_batch, tile, cluster, hw_info, args, workspace,
+                                                     epilogue_subtile, ktile_start_alignment_count);
     params.tile_expert = args.tile_expert;
     return params;
   }
@@ -440,7 +448,6 @@ struct ExpertTileSchedulerTag {};
 // tiles, [start_e, end_e) / TileK (the cooperative kernel asks the scheduler for each work tile's K range; the
 // ping-pong kernel does not). Experts without rows sort last and end a CTA's walk.
 struct ExpertWgradScheduler : RestatedWalk<ExpertWgradScheduler> {
-  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
   struct WorkTileInfo : Base::WorkTileInfo {
     int32_t k_start = 0;
     int32_t k_count = 0;
@@ -461,13 +468,9 @@ struct ExpertWgradScheduler : RestatedWalk<ExpertWgradScheduler> {
                                         cutlass::KernelHardwareInfo const& hw_info, Arguments const& args,
                                         void* workspace = nullptr, uint32_t epilogue_subtile = 1,
                                         uint32_t ktile_start_alignment_count = 1u) {
-    static_assert(cute::size(ClusterShape{}) == 1, "expert weight gradients: clusters of one CTA only");
-    Base::Arguments base = args;
-    base.max_swizzle_size = 1;
-    base.raster_order = Base::RasterOrderOptions::AlongN;
     Params params;
-    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
-        problem, tile, cluster, hw_info, base, workspace, epilogue_subtile, ktile_start_alignment_count);
+    static_cast<Base::Params&>(params) = walk_params(problem, tile, cluster, hw_info, args, workspace,
+                                                     epilogue_subtile, ktile_start_alignment_count);
     params.offsets = args.offsets;
     params.order = args.order;
     params.tile_k = cute::get<2>(tile);

@@ -49,7 +49,8 @@ NEEDS_CUTLASS = pytest.mark.skipif(not grouped_gemm_sm90.available(),
 
 @pytest.mark.parametrize("expert_gemm", ["torch", pytest.param("tiles:1", marks=NEEDS_CUTLASS),
                                          pytest.param("fused:1", marks=NEEDS_CUTLASS),
-                                         pytest.param("fused:1:3", marks=NEEDS_CUTLASS)])
+                                         pytest.param("fused:1:3", marks=NEEDS_CUTLASS),
+                                         pytest.param("fused:1:w", marks=NEEDS_CUTLASS)])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_layers_match_eager(mode, expert_gemm):
     """Packed rows of 3, then 7 documents, then one document per row: compiled layers get the document
@@ -65,7 +66,8 @@ def test_compiled_layers_match_eager(mode, expert_gemm):
     the CUDA graphs the first recorded), and the first layout comes back after the others: the repeats
     must agree with the first runs (``_agree``). With ``expert_gemm`` = "tiles:1" the bf16 eager and compiled
     models run the CUTLASS expert-tiled products (rows padded per expert), with "fused:1" those with SiTU in
-    their epilogues, with "fused:1:3" also the weight-gradient pair on CUTLASS; the fp32 reference runs torch's."""
+    their epilogues, with "fused:1:3" also the weight-gradient pair on CUTLASS, with "fused:1:w" the weight
+    gradients on the expert-tiled kernel; the fp32 reference runs torch's."""
     cfg = ModelConfig(**yaml.safe_load((REPO / "conf/model/k3_tiny_kernel.yaml").read_text()))
     torch._dynamo.reset()
     counters.clear()
