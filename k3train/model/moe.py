@@ -246,7 +246,8 @@ class RoutedExperts(nn.Module):
         return x, w
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor | None = None,
-                w2: torch.Tensor | None = None, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+                w2: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
+                layout: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """x [M, ℓ] token copies sorted by group, tokens_per_expert [G] → y [M, ℓ] (TP partial sums); with
         ``row_tile`` > 1, each group's count a multiple of it (the padded layout of the dispatcher).
 
@@ -255,7 +256,8 @@ class RoutedExperts(nn.Module):
         [M, 2·I_local] with (gate_j, up_j) in columns (2j, 2j + 1). The groups are this rank's experts, or the
         stacks ``w13`` [G, 2·I_local, ℓ] (rows interleaved) / ``w2`` [G, ℓ, I_local] the dispatcher gives (its
         experts plus fetched replicas). With ``grouped_gemm`` "fused:1" on CUDA and no fake quantisation, SiTU
-        runs in the two products' epilogues (``_SiTUExperts``); elsewhere it is a pass of its own.
+        runs in the two products' epilogues (``_SiTUExperts``); elsewhere it is a pass of its own. ``layout``:
+        the rows' (offsets, tile_group) where the dispatcher's routing plan made them (else ``group_offsets``).
         """
         w13 = self.w13 if w13 is None else w13
         w2 = self.w2 if w2 is None else w2
@@ -263,8 +265,9 @@ class RoutedExperts(nn.Module):
             # dispatcher's backward all-to-alls must run on every rank
             return x + 0.0 * (w13.sum() + w2.sum())
         tile = self.row_tile
-        offsets, tile_expert = group_offsets(tokens_per_expert, tile, x.shape[0] // tile if tile > 1 else 0)
-        tile_expert = tile_expert if tile > 1 else None
+        if layout is None:
+            layout = group_offsets(tokens_per_expert, tile, x.shape[0] // tile if tile > 1 else 0)
+        offsets, tile_expert = layout[0], layout[1] if tile > 1 else None
         if self._gemm.situ_epilogue and x.is_cuda and self.input_fake_quant is None and self.weight_fake_quant is None:
             return _SiTUExperts.apply(x, w13.to(x.dtype).contiguous(), w2.to(x.dtype).contiguous(), row_weights,
                                       offsets, tile_expert, self._gemm, (self.beta, self.linear_beta))
@@ -303,7 +306,8 @@ def experts_and_combine(dispatcher, experts: RoutedExperts, grouped: torch.Tenso
     quantise no inputs (QAT quantises SiTU's unweighted output), the weights ride in SiTU's pass and the
     combine is unweighted, so its backward no longer reads the expert outputs again."""
     row_weights = dispatcher.grouped_weights(weights, handle) if experts.input_fake_quant is None else None
-    y = experts(grouped, tokens_per_expert, *dispatcher.expert_stacks(experts, handle), row_weights=row_weights)
+    y = experts(grouped, tokens_per_expert, *dispatcher.expert_stacks(experts, handle), row_weights=row_weights,
+                layout=dispatcher.group_layout(handle))
     return dispatcher.combine(y, weights if row_weights is None else None, handle)
 
 

@@ -45,13 +45,16 @@ class DispatchHandle:
     """What ``combine`` needs to undo ``dispatch``: ``order[m]`` is the token copy (i·k + j) at
     grouped row m, ``inverse`` its inverse permutation; ``tokens_per_expert`` counts this rank's
     token copies per expert (all E, for the load metrics). In the padded layout ``order`` stays the packed
-    sort and ``inverse`` gives each copy's padded row; ``pad_rows`` lists the rest."""
+    sort and ``inverse`` gives each copy's padded row; ``pad_rows`` lists the rest. ``layout``: the grouped
+    GEMMs' view of the rows, (offsets, tile_group) as ``kernels.moe_plan.group_offsets`` gives it, where the
+    routing plan made it."""
 
     order: torch.Tensor  # [N·k] int64
     inverse: torch.Tensor  # [N·k] int64: the grouped row of each token copy
     top_k: int
     tokens_per_expert: torch.Tensor  # [E] int64
     pad_rows: torch.Tensor | None = None  # the grouped rows that hold no copy (row_tile > 1)
+    layout: tuple[torch.Tensor, torch.Tensor | None] | None = None  # offsets [E] int32, tile_group [R / row_tile]
 
 
 class LocalTokenDispatcher:
@@ -70,12 +73,18 @@ class LocalTokenDispatcher:
         ``row_tile`` > 1 the padded layout (module docstring): [capacity · row_tile, ℓ] and padded counts."""
         plan = routing_plan(experts, self.num_experts, row_tile, self.plan_backend)
         k = experts.shape[1]
-        handle = DispatchHandle(plan.order, plan.inverse, k, plan.counts, plan.pad_rows)
+        handle = DispatchHandle(plan.order, plan.inverse, k, plan.counts, plan.pad_rows,
+                                (plan.offsets, plan.tile_group))
         return dispatch_rows(z, plan.order, plan.inverse, k, pad_rows=plan.pad_rows), plan.group_rows, handle
 
     def expert_stacks(self, experts, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of the grouped rows: the experts' own stacks."""
         return experts.w13, experts.w2
+
+    def group_layout(self, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The grouped rows' (offsets, tile_group), made by the routing plan (``RoutedExperts.forward``'s
+        ``layout``)."""
+        return handle.layout
 
     def grouped_weights(self, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """weights [N, k] → [rows of dispatch's output]: each grouped row's gate weight (0 on padding rows), the
@@ -260,6 +269,10 @@ class ExpertParallelDispatcher:
             pad = w.new_zeros(self.local_experts - got.shape[0], got.shape[1])
             out.append(torch.cat([w, torch.cat([got, pad]).view(self.local_experts, *w.shape[1:])]))
         return out[0], out[1]
+
+    def group_layout(self, handle: ExpertParallelHandle) -> None:
+        """None: the experts make the received rows' layout themselves (``group_offsets``)."""
+        return None
 
     def grouped_weights(self, weights: torch.Tensor, handle: ExpertParallelHandle) -> None:
         """None: the gate weights stay with their tokens here (combine applies them)."""

@@ -2,10 +2,12 @@
 (``kernels.moe_permute``) and the grouped GEMMs use (math in ``reference.py``)::
 
     plan = routing_plan(experts, groups, row_tile=1)
-    # experts [N, k] (values in [0, groups)) → RoutingPlan of int64 tensors on experts' device:
-    #   order [N·k], inverse [N·k], counts [G], group_rows [G], pad_rows [R − N·k] (None for row_tile 1)
+    # experts [N, k] (values in [0, groups)) → RoutingPlan of tensors on experts' device:
+    #   order [N·k], inverse [N·k], counts [G], group_rows [G], pad_rows [R − N·k] (None for row_tile 1), int64;
+    #   offsets [G], tile_group [R / row_tile] (None for row_tile 1), int32: the layout as group_offsets gives it
 
-and the grouped GEMMs' view of a layout of G groups (the plan's, or the expert-parallel dispatcher's)::
+and the grouped GEMMs' view of a layout of G groups (the plan gives its own; this for the expert-parallel
+dispatcher's)::
 
     offsets, tile_group = group_offsets(group_rows, row_tile, tiles)
     # group_rows [G] → offsets [G] int32 (cumulative rows), tile_group [tiles] int32 (each row tile's group)
@@ -15,7 +17,8 @@ routing (``layout_rows``). No host reads. ``backend``:
 
 * ``"auto"``: ``"triton"`` for CUDA tensors (and CPU ones within ``backend.triton_on_cpu``) with G ≤ ``MAX_GROUPS``,
   ``"torch"`` otherwise;
-* ``"triton"``: the four launches of ``triton_plan.py`` (``group_offsets``: one) for the ~25 small kernels of the
+* ``"triton"``: the four launches of ``triton_plan.py`` (offsets and tile_group included; ``group_offsets``: one
+  more) for the ~25 small kernels of the
   reference, which summed to ~0.09 ms of bench-1B's MoE fwd+bwd on an H200 (docs/moe_notes.md §2, session 30).
   Under ``torch.compile`` through the custom ops ``k3::moe_routing_plan`` / ``k3::moe_group_offsets``
   (``backend.eager_or_compiled``);
@@ -42,13 +45,16 @@ class RoutingPlan(NamedTuple):
     """Where each token copy c = i·k + j goes: packed row m holds copy ``order[m]`` (the stable sort by
     expert), copy c sits at grouped row ``inverse[c]`` of the (padded) layout; ``counts`` [G] copies per
     group, ``group_rows`` [G] rows per group (counts padded to a multiple of row_tile), ``pad_rows`` the rows
-    that hold no copy (None without padding)."""
+    that hold no copy (None without padding); ``offsets`` and ``tile_group`` (None without padding) the layout
+    as ``group_offsets`` gives it."""
 
     order: torch.Tensor
     inverse: torch.Tensor
     counts: torch.Tensor
     group_rows: torch.Tensor
     pad_rows: torch.Tensor | None
+    offsets: torch.Tensor
+    tile_group: torch.Tensor | None
 
 
 def _triton(keys: torch.Tensor, groups: int, row_tile: int, rows: int):
@@ -58,16 +64,18 @@ def _triton(keys: torch.Tensor, groups: int, row_tile: int, rows: int):
 
 @torch.library.custom_op("k3::moe_routing_plan", mutates_args=())
 def _plan_op(keys: torch.Tensor, groups: int, row_tile: int, rows: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        torch.Tensor]:
     return _triton(keys, groups, row_tile, rows)
 
 
 @_plan_op.register_fake
 def _(keys, groups, row_tile, rows):
     m = keys.numel()
-    long = dict(dtype=torch.int64, device=keys.device)
+    long, int32 = dict(dtype=torch.int64, device=keys.device), dict(dtype=torch.int32, device=keys.device)
     return (torch.empty(m, **long), torch.empty(m, **long), torch.empty(groups, **long),
-            torch.empty(groups, **long), torch.empty(rows - m, **long))
+            torch.empty(groups, **long), torch.empty(rows - m, **long), torch.empty(groups, **int32),
+            torch.empty(rows // row_tile if row_tile > 1 else 0, **int32))
 
 
 _plan = eager_or_compiled(_triton, _plan_op)
@@ -112,7 +120,9 @@ def routing_plan(experts: torch.Tensor, groups: int, row_tile: int = 1, backend:
         plan = _plan(keys.contiguous(), groups, row_tile, rows)
     else:
         plan = reference.routing_plan(keys, groups, row_tile, rows)
-    return RoutingPlan(*plan[:4], plan[4] if row_tile > 1 else None)
+        plan = (*plan, *reference.group_offsets(plan[3], row_tile, rows // row_tile if row_tile > 1 else 0))
+    padded = row_tile > 1
+    return RoutingPlan(*plan[:4], plan[4] if padded else None, plan[5], plan[6] if padded else None)
 
 
 def group_offsets(group_rows: torch.Tensor, row_tile: int = 1, tiles: int = 0, backend: str = "auto"

@@ -52,11 +52,14 @@ def test_reference_is_the_padded_stable_sort(row_tile, skew):
     assert torch.equal(plan.inverse, want)
     rows = layout_rows(keys.numel(), E, row_tile)
     if row_tile == 1:
-        assert plan.pad_rows is None and rows == keys.numel()
+        assert plan.pad_rows is None and plan.tile_group is None and rows == keys.numel()
     else:
         free = torch.ones(rows, dtype=torch.bool)
         free[plan.inverse] = False
         assert torch.equal(plan.pad_rows, free.nonzero().squeeze(1)) and plan.pad_rows.numel() > 0
+    offsets, tile_group = group_offsets(plan.group_rows, row_tile, rows // row_tile if row_tile > 1 else 0)
+    assert plan.offsets.dtype == torch.int32 and torch.equal(plan.offsets, offsets)
+    assert row_tile == 1 or (plan.tile_group.dtype == torch.int32 and torch.equal(plan.tile_group, tile_group))
 
 
 @pytest.mark.parametrize("row_tile", [1, 8])
@@ -97,7 +100,7 @@ def test_triton_matches_reference(N, E, k, row_tile, skew):
     for keys in (experts, experts.int()):
         got = routing_plan(keys, E, row_tile, backend="triton")
         for name, a, b in zip(want._fields, got, want):
-            assert (a is None and b is None) or (a.dtype == b.dtype == torch.int64 and torch.equal(a, b)), name
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
 
 
 @triton_cpu
@@ -127,6 +130,10 @@ def test_triton_dispatcher_plan_equals_the_torch_one(row_tile):
     for name in ("order", "inverse", "tokens_per_expert", "pad_rows"):
         a, b = getattr(handle, name), getattr(handle_t, name)
         assert (a is None and b is None) or torch.equal(a, b), name
+    tiles = rows.shape[0] // row_tile if row_tile > 1 else 0
+    for layout in (handle.layout, handle_t.layout):  # the plan's layout is group_offsets' of its group rows
+        for a, b in zip(layout, group_offsets(counts.cpu(), row_tile, tiles, backend="torch")):
+            assert (a is None and row_tile == 1) or torch.equal(a.cpu(), b)
 
 
 @triton_cpu

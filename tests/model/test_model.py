@@ -290,9 +290,11 @@ def test_expert_tiled_layout_matches_packed_rows():
 
 
 @pytest.mark.parametrize("gemm", ["torch", "tiles:1", "fused:1"])
-def test_gate_weights_folded_into_situ_match_the_weighted_combine(gemm):
+def test_gate_weights_folded_into_situ_match_the_weighted_combine(gemm, monkeypatch):
     """experts_and_combine (the layer's path: gate weights applied per row in SiTU's pass, unweighted combine)
-    against the experts then the weighted combine: same outputs and gradients (fp32), packed and padded rows."""
+    against the experts then the weighted combine: same outputs and gradients (fp32), packed and padded rows. The
+    layer takes the rows' layout from the dispatcher's routing plan (no ``group_offsets`` of its own)."""
+    import k3train.model.moe as moe
     from k3train.model.moe import experts_and_combine
 
     torch.manual_seed(9)
@@ -311,6 +313,10 @@ def test_gate_weights_folded_into_situ_match_the_weighted_combine(gemm):
 
     params = (z, w, experts.w13, experts.w2)
     want = torch.autograd.grad(_routed(experts, z, idx, w), params, g)
+
+    def no_second_layout(*args):
+        raise AssertionError("the layer computed the layout the routing plan gave it")
+    monkeypatch.setattr(moe, "group_offsets", no_second_layout)
     got = torch.autograd.grad(folded(), params, g)
     for a, b in zip(got, want):
         assert b.abs().max() > 0
