@@ -370,7 +370,7 @@ def main(argv=None):
                 return routed.forward_looped(z, experts, w)
 
             def grouped(z=z, experts=experts, w=w):
-                xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts, routed.row_tile)
+                xg, tokens_per_expert, handle = dispatcher.dispatch(z, experts, routed.row_tile, w)
                 return experts_and_combine(dispatcher, routed, xg, tokens_per_expert, w, handle)
 
             reference = out_and_grads(loop, leaves, dout)

@@ -305,7 +305,7 @@ def experts_and_combine(dispatcher, experts: RoutedExperts, grouped: torch.Tenso
     weighted sum back. Where the dispatcher gives each row its weight (``grouped_weights``) and the experts
     quantise no inputs (QAT quantises SiTU's unweighted output), the weights ride in SiTU's pass and the
     combine is unweighted, so its backward no longer reads the expert outputs again."""
-    row_weights = dispatcher.grouped_weights(weights, handle) if experts.input_fake_quant is None else None
+    row_weights = dispatcher.grouped_weights(handle) if experts.input_fake_quant is None else None
     y = experts(grouped, tokens_per_expert, *dispatcher.expert_stacks(experts, handle), row_weights=row_weights,
                 layout=dispatcher.group_layout(handle))
     return dispatcher.combine(y, weights if row_weights is None else None, handle)
@@ -368,13 +368,14 @@ class LatentMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         routing = self.gate(x)
         z = self.tp.copy_to_tp(self.routed_expert_down_proj(x))
-        grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts, self.experts.row_tile)
+        weights = self.tp.copy_to_tp(routing.weights)
+        grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts, self.experts.row_tile,
+                                                                      weights)
         if observe:
             self.load.add(handle.tokens_per_expert, routing.experts.numel(), grouped.shape[0])
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias,
                                   handle.tokens_per_expert)
-        u = experts_and_combine(self.dispatcher, self.experts, grouped, tokens_per_expert,
-                                self.tp.copy_to_tp(routing.weights), handle)
+        u = experts_and_combine(self.dispatcher, self.experts, grouped, tokens_per_expert, weights, handle)
         u = self.tp.reduce_from_tp(u)
         y = self.shared_experts(x) + self.routed_expert_up_proj(self.routed_expert_norm(u))
         return y.view(shape)

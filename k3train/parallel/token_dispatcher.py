@@ -2,13 +2,13 @@
 
 The MoE layer calls, whatever the implementation:
 
-    x_grouped, tokens_per_expert, handle = dispatcher.dispatch(z, experts, row_tile)
+    x_grouped, tokens_per_expert, handle = dispatcher.dispatch(z, experts, row_tile, weights)
     y_grouped = routed_experts(x_grouped, tokens_per_expert)
     u = dispatcher.combine(y_grouped, weights, handle)
 
-or, where ``dispatcher.grouped_weights(weights, handle)`` gives each grouped row its gate weight (the local
-dispatcher; None elsewhere), with the weights applied inside the experts and an unweighted combine
-(``weights=None``), whose backward then need not read y again.
+or, where ``dispatcher.grouped_weights(handle)`` gives each grouped row its gate weight (the local dispatcher, when
+dispatch was given the weights; None elsewhere), with the weights applied inside the experts and an unweighted
+combine (``weights=None``), whose backward then need not read y again.
 
 with z [N, ℓ] latent tokens, experts/weights [N, k] (chosen ids, gate weights), x_grouped/y_grouped
 [M, ℓ] token copies sorted by expert (M = N·k locally) and tokens_per_expert [E_local] int64 on
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.parallel.expert_balance import balanced_plan, home_plan, replica_slots
-from kernels.moe_permute import combine_rows, dispatch_rows
+from kernels.moe_permute import combine_rows, dispatch_rows, dispatch_weighted_rows
 from kernels.moe_plan import inverse_permutation, routing_plan, stable_sort
 
 
@@ -55,6 +55,7 @@ class DispatchHandle:
     tokens_per_expert: torch.Tensor  # [E] int64
     pad_rows: torch.Tensor | None = None  # the grouped rows that hold no copy (row_tile > 1)
     layout: tuple[torch.Tensor, torch.Tensor | None] | None = None  # offsets [E] int32, tile_group [R / row_tile]
+    row_weights: torch.Tensor | None = None  # [rows]: each grouped row's gate weight, where dispatch was given them
 
 
 class LocalTokenDispatcher:
@@ -67,15 +68,22 @@ class LocalTokenDispatcher:
     def __init__(self, num_experts: int, plan_backend: str = "auto"):
         self.num_experts, self.plan_backend = num_experts, plan_backend
 
-    def dispatch(self, z: torch.Tensor, experts: torch.Tensor, row_tile: int = 1
+    def dispatch(self, z: torch.Tensor, experts: torch.Tensor, row_tile: int = 1, weights: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """z [N, ℓ], experts [N, k] → grouped rows [N·k, ℓ], tokens per expert [E], handle; with
-        ``row_tile`` > 1 the padded layout (module docstring): [capacity · row_tile, ℓ] and padded counts."""
+        ``row_tile`` > 1 the padded layout (module docstring): [capacity · row_tile, ℓ] and padded counts. With the
+        gate ``weights`` [N, k], each grouped row's weight is dispatched in the same launch as the rows
+        (``handle.row_weights``, what ``grouped_weights`` gives; on an H200 at bench-1B a launch of its own each
+        way took ~2-4 µs)."""
         plan = routing_plan(experts, self.num_experts, row_tile, self.plan_backend)
         k = experts.shape[1]
         handle = DispatchHandle(plan.order, plan.inverse, k, plan.counts, plan.pad_rows,
                                 (plan.offsets, plan.tile_group))
-        return dispatch_rows(z, plan.order, plan.inverse, k, pad_rows=plan.pad_rows), plan.group_rows, handle
+        if weights is None:
+            return dispatch_rows(z, plan.order, plan.inverse, k, pad_rows=plan.pad_rows), plan.group_rows, handle
+        rows, handle.row_weights = dispatch_weighted_rows(z, weights, plan.order, plan.inverse, k,
+                                                          pad_rows=plan.pad_rows)
+        return rows, plan.group_rows, handle
 
     def expert_stacks(self, experts, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) of the grouped rows: the experts' own stacks."""
@@ -86,12 +94,10 @@ class LocalTokenDispatcher:
         ``layout``)."""
         return handle.layout
 
-    def grouped_weights(self, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """weights [N, k] → [rows of dispatch's output]: each grouped row's gate weight (0 on padding rows), the
-        copies' weights dispatched as one-column rows (a gather backward; on an H200 torch's zeros + index_copy
-        and its backward took three kernels, ~0.016 ms at bench-1B)."""
-        return dispatch_rows(weights.reshape(-1, 1), handle.order, handle.inverse, 1,
-                             pad_rows=handle.pad_rows).squeeze(1)
+    def grouped_weights(self, handle: DispatchHandle) -> torch.Tensor | None:
+        """[rows of dispatch's output]: each grouped row's gate weight (0 on padding rows), made by ``dispatch``
+        when it was given the weights (a gather backward), else None."""
+        return handle.row_weights
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
         """y [N·k, ℓ] grouped (or padded), weights [N, k] → u [N, ℓ], u_i = Σ_j weights_ij · y_(i,j); weights
@@ -233,9 +239,10 @@ class ExpertParallelDispatcher:
         recv_splits = [sum(1 for e in replicas if e // E_l == h) for h in range(R)]
         return replicas, send, send_splits, recv_splits
 
-    def dispatch(self, z: torch.Tensor, experts: torch.Tensor, row_tile: int = 1):
+    def dispatch(self, z: torch.Tensor, experts: torch.Tensor, row_tile: int = 1, weights: torch.Tensor | None = None):
         """z [N, ℓ], experts [N, k] (global ids) → rows computed here [M, ℓ] sorted by group,
-        tokens per group [E_l] (home experts) or [2·E_l] (then the replica slots), handle."""
+        tokens per group [E_l] (home experts) or [2·E_l] (then the replica slots), handle. ``weights`` are not
+        used: the gate weights stay with their tokens (``combine`` applies them)."""
         if row_tile != 1:
             raise ValueError("expert-tiled grouped GEMMs (rows padded per expert) run without expert parallelism "
                              "for now: set parallel.expert=1, or use the 'torch' or 'cutlass:<i>' grouped GEMMs")
@@ -274,7 +281,7 @@ class ExpertParallelDispatcher:
         """None: the experts make the received rows' layout themselves (``group_offsets``)."""
         return None
 
-    def grouped_weights(self, weights: torch.Tensor, handle: ExpertParallelHandle) -> None:
+    def grouped_weights(self, handle: ExpertParallelHandle) -> None:
         """None: the gate weights stay with their tokens here (combine applies them)."""
         return None
 

@@ -5,6 +5,7 @@ token copy order[m] = i·k + j, token i's j-th choice) and ``inverse`` its inver
 (inverse[order[m]] = m); math in ``reference.py``::
 
     x = dispatch_rows(z, order, inverse, top_k)    # z [N, ℓ] → x [N·k, ℓ], x[m] = z[order[m] // k]
+    x, xw = dispatch_weighted_rows(z, w, order, inverse, top_k)  # and xw [N·k], xw[m] = w.flatten()[order[m]]
     u = combine_rows(y, weights, order, inverse)   # y [N·k, ℓ], weights [N, k] → u [N, ℓ],
                                                    # u[i] = Σ_j weights[i, j] · y[inverse[i·k + j]]
 
@@ -38,7 +39,7 @@ from torch.autograd.function import once_differentiable
 from ..backend import eager_or_compiled, use_triton
 from . import reference
 
-__all__ = ["dispatch_rows", "combine_rows"]
+__all__ = ["dispatch_rows", "dispatch_weighted_rows", "combine_rows"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -57,18 +58,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, inverse, top_k, pad_rows):
+    def forward(ctx, z, inverse, top_k, pad_rows, weights):
         from .triton_permute import dispatch_forward
         ctx.save_for_backward(inverse)
-        ctx.top_k, ctx.dtype = top_k, z.dtype
-        return dispatch_forward(z, inverse, top_k, pad_rows)
+        ctx.top_k, ctx.dtypes = top_k, (z.dtype, None if weights is None else weights.dtype)
+        x, xw = dispatch_forward(z, inverse, top_k, pad_rows, weights)
+        if xw is None:
+            xw = z.new_empty(0)
+            ctx.mark_non_differentiable(xw)
+        return x, xw
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dx):
+    def backward(ctx, dx, dxw):
         from .triton_permute import dispatch_backward
         (inverse,) = ctx.saved_tensors
-        return dispatch_backward(_rows(dx), inverse, ctx.top_k, ctx.dtype), None, None, None
+        z_dtype, w_dtype = ctx.dtypes
+        dz, dw = dispatch_backward(_rows(dx), inverse, ctx.top_k, z_dtype, None if w_dtype is None else dxw.contiguous(),
+                                   w_dtype)
+        return dz, None, None, None, dw
 
 
 class _CombineRows(torch.autograd.Function):
@@ -91,37 +99,50 @@ class _CombineRows(torch.autograd.Function):
 
 # Under torch.compile: the same kernels as custom ops.
 @torch.library.custom_op("k3::moe_dispatch_rows", mutates_args=())
-def _dispatch(z: torch.Tensor, inverse: torch.Tensor, top_k: int, pad_rows: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def _dispatch(z: torch.Tensor, inverse: torch.Tensor, top_k: int, pad_rows: torch.Tensor | None = None,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, xw); xw is empty without ``weights``."""
     from .triton_permute import dispatch_forward
-    return dispatch_forward(z, inverse, top_k, pad_rows)
+    x, xw = dispatch_forward(z, inverse, top_k, pad_rows, weights)
+    return x, z.new_empty(0) if xw is None else xw
 
 
 @_dispatch.register_fake
-def _dispatch_fake(z, inverse, top_k, pad_rows=None):
-    return z.new_empty(z.shape[0] * top_k + (0 if pad_rows is None else pad_rows.shape[0]), z.shape[1])
+def _dispatch_fake(z, inverse, top_k, pad_rows=None, weights=None):
+    rows = z.shape[0] * top_k + (0 if pad_rows is None else pad_rows.shape[0])
+    return z.new_empty(rows, z.shape[1]), z.new_empty(0) if weights is None else weights.new_empty(rows)
 
 
 @torch.library.custom_op("k3::moe_dispatch_rows_backward", mutates_args=())
-def _dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+def _dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int, dtype: torch.dtype,
+                       d_row_weights: torch.Tensor | None = None, w_dtype: torch.dtype | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dz, dweights); dweights is empty without ``d_row_weights``."""
     from .triton_permute import dispatch_backward
-    return dispatch_backward(_rows(dx), inverse, top_k, dtype)
+    dz, dw = dispatch_backward(_rows(dx), inverse, top_k, dtype, d_row_weights, w_dtype)
+    return dz, dx.new_empty(0) if dw is None else dw
 
 
 @_dispatch_backward.register_fake
-def _dispatch_backward_fake(dx, inverse, top_k, dtype):
-    return dx.new_empty(inverse.shape[0] // top_k, dx.shape[1], dtype=dtype)  # dx may hold padding rows
+def _dispatch_backward_fake(dx, inverse, top_k, dtype, d_row_weights=None, w_dtype=None):
+    n = inverse.shape[0] // top_k  # dx may hold padding rows
+    dw = dx.new_empty(0) if d_row_weights is None else dx.new_empty(n, top_k, dtype=w_dtype)
+    return dx.new_empty(n, dx.shape[1], dtype=dtype), dw
 
 
 def _dispatch_setup(ctx, inputs, output):
-    z, inverse, ctx.top_k, _ = inputs
-    ctx.dtype = z.dtype
+    z, inverse, ctx.top_k, _, weights = inputs
+    ctx.dtypes = z.dtype, None if weights is None else weights.dtype
     ctx.save_for_backward(inverse)
 
 
-def _dispatch_grad(ctx, dx):
+def _dispatch_grad(ctx, dx, dxw):
     (inverse,) = ctx.saved_tensors
-    return _dispatch_backward(dx, inverse, ctx.top_k, ctx.dtype), None, None, None
+    z_dtype, w_dtype = ctx.dtypes
+    if w_dtype is None:
+        return _dispatch_backward(dx, inverse, ctx.top_k, z_dtype)[0], None, None, None, None
+    dz, dw = _dispatch_backward(dx, inverse, ctx.top_k, z_dtype, dxw.contiguous(), w_dtype)
+    return dz, None, None, None, dw
 
 
 _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
@@ -180,19 +201,41 @@ def _check_padding(pad_rows: torch.Tensor | None, device: torch.device) -> None:
                          f"{pad_rows.dtype} on {pad_rows.device}")
 
 
+def _check_dispatch(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int,
+                    pad_rows: torch.Tensor | None) -> None:
+    if z.ndim != 2 or top_k < 1:
+        raise ValueError(f"z must be [N, ℓ] and top_k ≥ 1, got {tuple(z.shape)} and {top_k}")
+    _check_indices(order, inverse, z.shape[0] * top_k, z.device)
+    _check_padding(pad_rows, z.device)
+
+
 def dispatch_rows(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, top_k: int,
                   backend: str = "auto", pad_rows: torch.Tensor | None = None) -> torch.Tensor:
     """z [N, ℓ] → x [N·k + P, ℓ] in z.dtype, x[m] = z[order[m] // top_k]; dz sums the k copies.
 
     ``pad_rows`` [P] (default none): rows of a padded grouped layout that hold no token copy, written as
     zeros; ``inverse`` then maps into the N·k + P rows (``order`` is not used for padded layouts)."""
-    if z.ndim != 2 or top_k < 1:
-        raise ValueError(f"z must be [N, ℓ] and top_k ≥ 1, got {tuple(z.shape)} and {top_k}")
-    _check_indices(order, inverse, z.shape[0] * top_k, z.device)
-    _check_padding(pad_rows, z.device)
+    _check_dispatch(z, order, inverse, top_k, pad_rows)
     if use_triton(z, backend, "MoE permute"):
-        return _dispatch_call(_rows(z), inverse.contiguous(), int(top_k), pad_rows)
+        return _dispatch_call(_rows(z), inverse.contiguous(), int(top_k), pad_rows, None)[0]
     return reference.dispatch_rows(z, order, inverse, top_k, pad_rows)
+
+
+def dispatch_weighted_rows(z: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                           top_k: int, backend: str = "auto", pad_rows: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``dispatch_rows``(z, …), xw): also each grouped row's gate weight, xw [N·k + P] in weights' dtype with
+    xw[m] = weights.flatten()[order[m]] and 0 on the padding rows, from weights [N, k]; dweights gathers xw's
+    gradient back. The Triton path makes both in one launch forward and one backward (the rows' launches)."""
+    _check_dispatch(z, order, inverse, top_k, pad_rows)
+    if weights.shape != (z.shape[0], top_k) or not weights.is_floating_point() or weights.device != z.device:
+        raise ValueError(f"weights must be a floating [{z.shape[0]}, {top_k}] tensor on {z.device}, got "
+                         f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
+    if use_triton(z, backend, "MoE permute"):
+        x, xw = _dispatch_call(_rows(z), inverse.contiguous(), int(top_k), pad_rows, weights.contiguous())
+        return x, xw
+    return (reference.dispatch_rows(z, order, inverse, top_k, pad_rows),
+            reference.dispatch_rows(weights.reshape(-1, 1), order, inverse, 1, pad_rows).squeeze(1))
 
 
 def combine_rows(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,

@@ -8,7 +8,9 @@ grouped rows. Only ``inverse`` is used: each grouped row belongs to exactly one 
 scatters below write every row once and nothing needs atomics::
 
     dispatch fwd:  x[r[i, j]] = z[i]                        (z read once, written k times)
+                   xw[r[i, j]] = w[i, j]                    (optional: the copies' gate weights as rows)
     dispatch bwd:  dz[i] = Σ_j dx[r[i, j]]                  (gather, fp32 sum)
+                   dw[i, j] = dxw[r[i, j]]                  (optional, with xw)
     combine fwd:   u[i] = Σ_j w[i, j] · y[r[i, j]]          (gather, fp32 sum)
     combine bwd:   dy[r[i, j]] = w[i, j] · du[i],  dw[i, j] = Σ_ℓ y[r[i, j]] · du[i]   (fp32)
 
@@ -53,27 +55,40 @@ def _copies(INV, N, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr
 
 
 @triton.jit
-def _zero_pad_rows(X, PAD_ROWS, P, L, stride_x, q, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
-    """x[pad_rows[p]] = 0 for padding program q's BLOCK_T·KP entries p of the P listed rows (the tile of a
-    program's copies)."""
+def _pad_tile(PAD_ROWS, P, q, KP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Padding program q's rows r [BLOCK_T, KP] (int64): its BLOCK_T·KP entries p of the P listed rows (the tile of
+    a program's copies), and their mask p < P."""
     p = q.to(tl.int64) * (BLOCK_T * KP) + tl.arange(0, BLOCK_T)[:, None] * KP + tl.arange(0, KP)[None, :]
-    r = tl.load(PAD_ROWS + p, mask=p < P, other=0).to(tl.int64)
+    return tl.load(PAD_ROWS + p, mask=p < P, other=0).to(tl.int64), p < P
+
+
+@triton.jit
+def _zero_pad_rows(X, PAD_ROWS, P, L, stride_x, q, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+    """x[pad_rows[p]] = 0 for padding program q's rows (``_pad_tile``)."""
+    r, pmask = _pad_tile(PAD_ROWS, P, q, KP, BLOCK_T)
     for l0 in range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
         zeros = tl.zeros((BLOCK_T, KP, BLOCK_L), dtype=X.dtype.element_ty)
         tl.store(X + r[:, :, None] * stride_x + cols[None, None, :], zeros,
-                 mask=(p < P)[:, :, None] & (cols < L)[None, None, :])
+                 mask=pmask[:, :, None] & (cols < L)[None, None, :])
 
 
 @triton.jit
-def _dispatch_fwd_kernel(Z, INV, X, PAD_ROWS, N, P, L, stride_z, stride_x, TOP_K: tl.constexpr, KP: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Programs [0, ⌈N / BLOCK_T⌉) copy tokens; the rest zero the P padding rows ``PAD_ROWS``."""
+def _dispatch_fwd_kernel(Z, W, INV, X, XW, PAD_ROWS, N, P, L, stride_z, stride_x, TOP_K: tl.constexpr,
+                         KP: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Programs [0, ⌈N / BLOCK_T⌉) copy tokens (and with HAS_W their copies' weights, xw[r[i, j]] = w[i, j]); the
+    rest zero the P padding rows ``PAD_ROWS`` (of xw too)."""
     token_programs = tl.cdiv(N, BLOCK_T)
     if tl.program_id(0) >= token_programs:
-        _zero_pad_rows(X, PAD_ROWS, P, L, stride_x, tl.program_id(0) - token_programs, KP, BLOCK_T, BLOCK_L)
+        q = tl.program_id(0) - token_programs
+        _zero_pad_rows(X, PAD_ROWS, P, L, stride_x, q, KP, BLOCK_T, BLOCK_L)
+        if HAS_W:
+            r, pmask = _pad_tile(PAD_ROWS, P, q, KP, BLOCK_T)
+            tl.store(XW + r, tl.zeros((BLOCK_T, KP), dtype=XW.dtype.element_ty), mask=pmask)
         return
     t, r, tmask, cmask = _copies(INV, N, TOP_K, KP, BLOCK_T)
+    if HAS_W:
+        tl.store(XW + r, tl.load(W + t[:, None] * TOP_K + tl.arange(0, KP)[None, :], mask=cmask), mask=cmask)
     for l0 in range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
         cm = cols < L
@@ -84,9 +99,12 @@ def _dispatch_fwd_kernel(Z, INV, X, PAD_ROWS, N, P, L, stride_z, stride_x, TOP_K
 
 
 @triton.jit
-def _dispatch_bwd_kernel(DX, INV, DZ, N, L, stride_dx, stride_dz, TOP_K: tl.constexpr,
-                         KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+def _dispatch_bwd_kernel(DX, DXW, INV, DZ, DW, N, L, stride_dx, stride_dz, TOP_K: tl.constexpr,
+                         KP: tl.constexpr, HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
     t, r, tmask, cmask = _copies(INV, N, TOP_K, KP, BLOCK_T)
+    if HAS_W:
+        tl.store(DW + t[:, None] * TOP_K + tl.arange(0, KP)[None, :],
+                 tl.load(DXW + r, mask=cmask).to(DW.dtype.element_ty), mask=cmask)
     for l0 in range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
         cm = cols < L
@@ -188,32 +206,46 @@ def _padding(pad_rows: torch.Tensor | None, inverse: torch.Tensor) -> tuple[torc
     return pad_rows, pad_rows.numel()
 
 
-def dispatch_forward(z: torch.Tensor, inverse: torch.Tensor, top_k: int,
-                     pad_rows: torch.Tensor | None = None) -> torch.Tensor:
+def dispatch_forward(z: torch.Tensor, inverse: torch.Tensor, top_k: int, pad_rows: torch.Tensor | None = None,
+                     weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """z [N, ℓ] → x [N·k + P, ℓ] (contiguous, z.dtype) with x[inverse[i·k + j]] = z[i] and the P rows
-    ``pad_rows`` (none by default) zero."""
+    ``pad_rows`` (none by default) zero; with ``weights`` [N, k] (contiguous) in the same launch also their rows
+    xw [N·k + P] (weights' dtype), xw[inverse[i·k + j]] = weights[i, j], 0 on the padding rows (else None)."""
     n, ell = z.shape
     _check((z,), inverse, n, top_k)
     pad_arg, pad = _padding(pad_rows, inverse)
+    if weights is not None and (weights.shape != (n, top_k) or not weights.is_contiguous()
+                                or weights.device != z.device):
+        raise ValueError(f"weights must be contiguous [{n}, {top_k}] on {z.device}, got {tuple(weights.shape)} "
+                         f"on {weights.device}")
     x = torch.empty((n * top_k + pad, ell), dtype=z.dtype, device=z.device)
-    if (n or pad) and ell:
-        grid, meta = _launch(n, ell, top_k, z, pad)
-        _dispatch_fwd_kernel[grid](z, inverse, x, pad_arg, n, pad, ell, z.stride(0), x.stride(0), **meta)
-    return x
+    xw = None if weights is None else weights.new_empty(n * top_k + pad)
+    if (n or pad) and (ell or xw is not None):
+        grid, meta = _launch(n, max(ell, 1), top_k, z, pad)
+        _dispatch_fwd_kernel[grid](z, x if xw is None else weights, inverse, x, x if xw is None else xw, pad_arg, n,
+                                   pad, ell, z.stride(0), x.stride(0), HAS_W=xw is not None, **meta)
+    return x, xw
 
 
-def dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int,
-                      dtype: torch.dtype | None = None) -> torch.Tensor:
-    """dx [N·k + P, ℓ] → dz [N, ℓ] (contiguous, ``dtype`` or dx.dtype),
-    dz[i] = Σ_j dx[inverse[i·k + j]] (padding rows are not read)."""
+def dispatch_backward(dx: torch.Tensor, inverse: torch.Tensor, top_k: int, dtype: torch.dtype | None = None,
+                      d_row_weights: torch.Tensor | None = None, w_dtype: torch.dtype | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dx [N·k + P, ℓ] → dz [N, ℓ] (contiguous, ``dtype`` or dx.dtype), dz[i] = Σ_j dx[inverse[i·k + j]] (padding
+    rows are not read); with ``d_row_weights`` [N·k + P] (the gradient of dispatch_forward's xw) in the same launch
+    also dweights [N, k] (``w_dtype``), dweights[i, j] = d_row_weights[inverse[i·k + j]] (else None)."""
     ell = dx.shape[1]
     n = inverse.numel() // top_k
     _check((dx,), inverse, n, top_k)
+    if d_row_weights is not None and (d_row_weights.shape != dx.shape[:1] or not d_row_weights.is_contiguous()):
+        raise ValueError(f"d_row_weights must be a contiguous [{dx.shape[0]}], got {tuple(d_row_weights.shape)}")
     dz = torch.empty((n, ell), dtype=dtype or dx.dtype, device=dx.device)
-    if dz.numel():
-        grid, meta = _launch(n, ell, top_k, dx)
-        _dispatch_bwd_kernel[grid](dx, inverse, dz, n, ell, dx.stride(0), dz.stride(0), **meta)
-    return dz
+    dw = None if d_row_weights is None else torch.empty((n, top_k), dtype=w_dtype or d_row_weights.dtype,
+                                                         device=dx.device)
+    if n and (ell or dw is not None):
+        grid, meta = _launch(n, max(ell, 1), top_k, dx)
+        _dispatch_bwd_kernel[grid](dx, dx if dw is None else d_row_weights, inverse, dz, dz if dw is None else dw, n,
+                                   ell, dx.stride(0), dz.stride(0), HAS_W=dw is not None, **meta)
+    return dz, dw
 
 
 def combine_forward(y: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ def test_grouped_bf16_matches_fp32_loop(routing, gemm, folded):
 
     def grouped():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            rows, tokens_per_expert, handle = disp.dispatch(z.bfloat16(), idx, experts.row_tile)
+            rows, tokens_per_expert, handle = disp.dispatch(z.bfloat16(), idx, experts.row_tile, w if folded else None)
             if folded:
                 return experts_and_combine(disp, experts, rows, tokens_per_expert, w, handle)
             return disp.combine(experts(rows, tokens_per_expert), w, handle)

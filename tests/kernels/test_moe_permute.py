@@ -219,11 +219,12 @@ def test_triton_padding_rows_only(dtype):
     from kernels.moe_permute.triton_permute import combine_backward, dispatch_forward
     pad = torch.randperm(37, generator=torch.Generator().manual_seed(73)).to(DEV)
     empty = torch.empty(0, dtype=torch.long, device=DEV)
-    x = dispatch_forward(random_input((0, 37), 70, dtype), empty, 2, pad)
+    x, xw = dispatch_forward(random_input((0, 37), 70, dtype), empty, 2, pad, torch.empty(0, 2, device=DEV))
     dy, _ = combine_backward(random_input((0, 37), 71, dtype), None, random_input((0, 2), 72, dtype), empty, 2,
                              dtype, dtype, pad)
     for rows in (x, dy):
         assert rows.shape == (pad.numel(), 37) and rows.dtype == dtype and not rows.any()
+    assert xw.shape == (pad.numel(),) and xw.dtype == torch.float32 and not xw.any()
 
 
 @triton_cpu
@@ -266,29 +267,34 @@ def test_triton_end_to_end(backend):
 @triton_cpu
 @pytest.mark.parametrize("row_tile", [1, 4])
 def test_triton_grouped_weights(row_tile):
-    """LocalTokenDispatcher.grouped_weights on the Triton dispatch: row inverse[c] holds w[c], padding rows 0, and
-    the weights' gradient gathers the rows' (against an index_copy in float64)."""
-    N, E, k = 23, 6, 3
+    """LocalTokenDispatcher.dispatch given the gate weights, on the Triton kernels: the rows are dispatch_rows'
+    exactly; grouped_weights' row inverse[c] holds w[c], padding rows 0; one backward gives z the rows' gradient
+    summed (as dispatch_rows' backward) and w the row weights' gathered (against an index_copy in float64)."""
+    N, E, k, ell = 23, 6, 3, 8
     experts, _, _ = routing(N, E, k, seed=81)
     dispatcher = LocalTokenDispatcher(E)
-    _, _, handle = dispatcher.dispatch(torch.randn(N, 8, device=DEV), experts, row_tile)
-    rows = handle.inverse.numel() + (0 if handle.pad_rows is None else handle.pad_rows.numel())
-    w = random_input((N, k), 82).requires_grad_()
-    dr = random_input((rows,), 83)
+    z, w = random_input((N, ell), 80).requires_grad_(), random_input((N, k), 82).requires_grad_()
     with triton_on_cpu():  # the Triton dispatch on CPU tensors too
-        got = dispatcher.grouped_weights(w, handle)
-        got.backward(dr)
+        x, _, handle = dispatcher.dispatch(z, experts, row_tile, w)
+        rows = x.shape[0]
+        dx, dr = random_input((rows, ell), 84), random_input((rows,), 83)
+        got = dispatcher.grouped_weights(handle)
+        torch.autograd.backward((x, got), (dx, dr))
+        x_alone = dispatch_rows(z, handle.order, handle.inverse, k, pad_rows=handle.pad_rows)
+        dz_alone, = torch.autograd.grad(x_alone, z, dx)
+    assert torch.equal(x, x_alone) and torch.equal(z.grad, dz_alone)
     w64 = w.detach().double().requires_grad_()
     want = w64.new_zeros(rows).index_copy(0, handle.inverse, w64.flatten())
     want.backward(dr.double())
     assert got.dtype == w.dtype and torch.equal(got.double(), want) and torch.equal(w.grad.double(), w64.grad)
     assert handle.pad_rows is None or (handle.pad_rows.numel() and not got[handle.pad_rows].any())
+    assert LocalTokenDispatcher(E).grouped_weights(LocalTokenDispatcher(E).dispatch(z, experts, row_tile)[2]) is None
 
 
 @triton_cpu
 def test_triton_custom_op_registration():
-    """k3::moe_dispatch_rows and k3::moe_combine_rows: schema, fake shapes and autograd registration
-    (what torch.compile relies on) agree with the kernels."""
+    """k3::moe_dispatch_rows (with and without the rows' gate weights) and k3::moe_combine_rows: schema, fake
+    shapes and autograd registration (what torch.compile relies on) agree with the kernels."""
     g = torch.Generator().manual_seed(8)
     n, k, ell = 7, 3, 24
     order = torch.randperm(n * k, generator=g).to(DEV)
@@ -303,6 +309,8 @@ def test_triton_custom_op_registration():
     rows = torch.randperm(n * k + 5, generator=g).to(DEV)  # the padded layout: 5 rows hold no copy
     padded_inverse, pad_rows = rows[:n * k].contiguous(), rows[n * k:].contiguous()
     torch.library.opcheck(torch.ops.k3.moe_dispatch_rows, (z, padded_inverse, k, pad_rows))
+    torch.library.opcheck(torch.ops.k3.moe_dispatch_rows, (z, inverse, k, None, w))  # with the rows' gate weights
+    torch.library.opcheck(torch.ops.k3.moe_dispatch_rows, (z, padded_inverse, k, pad_rows, w))
     y_padded = torch.randn(n * k + 5, ell, generator=g).to(DEV).requires_grad_()
     torch.library.opcheck(torch.ops.k3.moe_combine_rows, (y_padded, w, padded_inverse, pad_rows))
     du = torch.randn(n, ell, generator=g).to(DEV)

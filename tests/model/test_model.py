@@ -308,7 +308,7 @@ def test_gate_weights_folded_into_situ_match_the_weighted_combine(gemm, monkeypa
     disp = LocalTokenDispatcher(cfg.num_experts)
 
     def folded():
-        grouped, tokens_per_expert, handle = disp.dispatch(z, idx, experts.row_tile)
+        grouped, tokens_per_expert, handle = disp.dispatch(z, idx, experts.row_tile, w)
         return experts_and_combine(disp, experts, grouped, tokens_per_expert, w, handle)
 
     params = (z, w, experts.w13, experts.w2)

@@ -26,10 +26,10 @@ N, E, k, ell, I = 16384, 128, 8, 512, 256
 experts, weights = make_routing("natural", N, E, k, 1024)
 disp = LocalTokenDispatcher(E)
 z = torch.randn(N, ell, device=dev, dtype=torch.bfloat16)
-x, group_rows, handle = disp.dispatch(z, experts.to(dev), 64)
+x, group_rows, handle = disp.dispatch(z, experts.to(dev), 64, weights.to(dev))
 M = x.shape[0]
 _, tile_expert = group_offsets(group_rows, 64, M // 64)
-scale = disp.grouped_weights(weights.to(dev), handle).float()
+scale = disp.grouped_weights(handle).float()
 w13 = (torch.randn(E, 2 * I, ell, device=dev) * 0.05).to(torch.bfloat16)  # rows interleaved (gate_j, up_j)
 w2 = (torch.randn(E, ell, I, device=dev) * 0.05).to(torch.bfloat16)
 dy = torch.randn(M, ell, device=dev, dtype=torch.bfloat16)
