@@ -1,18 +1,17 @@
 """Triton routing plan: four launches for what the reference does in about twenty (a radix sort, its
 inverse, a binary search for the counts, the padding shift, a bool scatter and a compaction).
 
-The copies are cut into NB blocks of BLOCK = CHUNKS · PB; a block's copies of one group keep their order (a
-stable counting sort, no atomics, so the plan is the reference's exactly)::
+The copies are cut into NB blocks of BLOCK; a block's copies of one group keep their order (a stable
+counting sort, no atomics, so the plan is the reference's exactly)::
 
-    1. _block_counts_kernel   one program per block b, CHUNKS one-hot tiles of PB copies:
-                                                        n[g, b] = #{copies of group g in block b}
+    1. _block_counts_kernel   one program per block b:  n[g, b] = #{copies of group g in block b}
     2. _scan_blocks_kernel    one program per group g:  before[g, b] = Σ_{b'<b} n[g, b'],  counts[g] = Σ_b n[g, b],
                                                         group_rows[g] = T·⌈counts[g] / T⌉
     3. _group_starts_kernel   one program: the groups' first packed row Σ_{g'<g} counts[g'], first padded row
                               Σ_{g'<g} group_rows[g'] and first entry in the padding list; offsets[g] =
                               Σ_{g'≤g} group_rows[g'] (int32, the grouped GEMMs' view)
-    4. _place_kernel          one program per PB copies: a copy c of group g in block b, with r earlier copies of g
-                              in the block, goes to packed row  first packed[g] + before[g, b] + r  (order) and to
+    4. _place_kernel          one program per block: a copy c of group g in block b, with r earlier copies of g in
+                              the block, goes to packed row  first packed[g] + before[g, b] + r  (order) and to
                               padded row  first padded[g] + before[g, b] + r  (inverse);
                               then (T > 1) one program per group writes its padding rows into pad_rows and its
                               row tiles' group into tile_group, and ⌈(R − M) / TP⌉ more write the rows past the
@@ -22,11 +21,10 @@ The grouped GEMMs' view of the layout (offsets, tile_group) comes out of kernels
 path needs no launch of its own for it (``group_offsets``' kernel, 3.6 µs a fwd+bwd at bench-1B on an H200, is then
 left to layouts that no plan made: expert parallelism's).
 
-Kernel 1 holds [PB, GP] one-hot tiles of its copies against the groups (GP = G rounded up to a power of two),
-so G is bounded (``MAX_GROUPS`` in ``__init__``); kernel 4 finds r from [PB, PB] comparisons of its copies with
-themselves and with the block's earlier copies, and reads its copies' starts by index, so PB is also bounded
-(``GPU_BLOCK_MAX``). With CHUNKS = 1 (the default) a block is one place program's copies. On bench-1B's 131,072
-copies (G = 128) on an H200: kernel 1 0.008 ms, 2 0.0017, 3 0.0012, 4 0.017. (A first version of kernel 4 took r from a
+Kernel 1 holds a [BLOCK, GP] one-hot tile of its copies against the groups (GP = G rounded up to a power of two),
+so G is bounded (``MAX_GROUPS`` in ``__init__``); kernel 4 finds r from a [BLOCK, BLOCK] comparison of its copies
+and reads its copies' starts by index, so BLOCK is also bounded (``GPU_BLOCK_MAX``). On bench-1B's 131,072 copies
+(G = 128) on an H200: kernel 1 0.008 ms, 2 0.0017, 3 0.0012, 4 0.017. (A first version of kernel 4 took r from a
 cumulative sum of the one-hot tile down the block and the starts as one-hot sums: 0.18 ms.) On CPU the kernels
 run through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported) on small blocks, so that
 tests cover several blocks.
@@ -43,27 +41,21 @@ from triton.runtime.interpreter import InterpretedFunction
 # one H200 (bench-1B's 131,072 copies, G = 128, row tile 64; the four launches as CUDA-graph replays;
 # docs/results/moe_permute_plan_sweep_s36_h200_2026-12-03.json): BLOCK 64 22.1-22.4 us with 4 or 8 warps, 128 22.6-26.3,
 # 32 24.0-26.4.
-GPU_TILE_ELEMS = 16384  # elements of a program's [PB, GP] one-hot tile
+GPU_TILE_ELEMS = 16384  # elements of a program's [BLOCK, GP] one-hot tile
 GPU_BLOCK_MAX = 64
 GPU_NUM_WARPS = 8
-# Place blocks a count block (kernels 1-2): more means fewer blocks to count and scan, and kernel 4 comparing its
-# copies with up to CHUNKS - 1 earlier tiles of the block. 1 is what was swept above; more is not yet timed.
-GPU_COUNT_CHUNKS = 1
 SCAN_CHUNK = 1024  # blocks a group's scan takes at a time
 INTERPRET_BLOCK = 16
-INTERPRET_COUNT_CHUNKS = 1
 
 
 @triton.jit
-def _block_counts_kernel(KEYS, N_BLOCK, M, NB, G, PB: tl.constexpr, CHUNKS: tl.constexpr, GP: tl.constexpr):
+def _block_counts_kernel(KEYS, N_BLOCK, M, NB, G, BLOCK: tl.constexpr, GP: tl.constexpr):
     b = tl.program_id(0)
+    c = b * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(KEYS + c, mask=c < M, other=-1).to(tl.int32)
     g = tl.arange(0, GP)
-    one_hot = tl.zeros((PB, GP), dtype=tl.int32)  # summed over the chunks, then down the tile once
-    for i in tl.static_range(CHUNKS):
-        c = (b * CHUNKS + i) * PB + tl.arange(0, PB)
-        key = tl.load(KEYS + c, mask=c < M, other=-1).to(tl.int32)
-        one_hot += (key[:, None] == g[None, :]).to(tl.int32)
-    tl.store(N_BLOCK + g.to(tl.int64) * NB + b, tl.sum(one_hot, axis=0), mask=g < G)
+    n = tl.sum((key[:, None] == g[None, :]).to(tl.int32), axis=0)
+    tl.store(N_BLOCK + g.to(tl.int64) * NB + b, n, mask=g < G)
 
 
 @triton.jit
@@ -96,25 +88,22 @@ def _group_starts_kernel(COUNTS, GROUP_ROWS, STARTS, OFFSETS, G, GP: tl.constexp
 
 
 @triton.jit
-def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, STARTS, ORDER, INVERSE, PAD_ROWS, TILE_GROUP, M, NB, NP, G, ROWS,
-                  PB: tl.constexpr, CHUNKS: tl.constexpr, T: tl.constexpr, TP: tl.constexpr):
+def _place_kernel(KEYS, BEFORE, COUNTS, GROUP_ROWS, STARTS, ORDER, INVERSE, PAD_ROWS, TILE_GROUP, M, NB, G, ROWS,
+                  BLOCK: tl.constexpr, T: tl.constexpr, TP: tl.constexpr):
     pid = tl.program_id(0)
-    if pid < NP:  # place program pid: copies [pid·PB, (pid + 1)·PB) of count block pid // CHUNKS
-        slot = tl.arange(0, PB)
-        c = pid * PB + slot
+    if pid < NB:
+        slot = tl.arange(0, BLOCK)
+        c = pid * BLOCK + slot
         key = tl.load(KEYS + c, mask=c < M, other=-1).to(tl.int32)
-        # r: the earlier copies of the same group in this tile, and in the block's earlier tiles (whole: j < pid)
-        same = ((key[:, None] == key[None, :]) & (slot[None, :] < slot[:, None])).to(tl.int32)
-        for j in range(pid // CHUNKS * CHUNKS, pid):
-            same += (key[:, None] == tl.load(KEYS + j * PB + slot).to(tl.int32)[None, :]).to(tl.int32)
-        rank = tl.sum(same, axis=1)
+        earlier = (key[:, None] == key[None, :]) & (slot[None, :] < slot[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)  # earlier copies of the same group in the block
         g = tl.where(c < M, key, 0).to(tl.int64)
-        before = tl.load(BEFORE + g * NB + pid // CHUNKS, mask=c < M, other=0).to(tl.int64) + rank
+        before = tl.load(BEFORE + g * NB + pid, mask=c < M, other=0).to(tl.int64) + rank
         tl.store(ORDER + tl.load(STARTS + g, mask=c < M, other=0) + before, c.to(tl.int64), mask=c < M)
         tl.store(INVERSE + c, tl.load(STARTS + G + g, mask=c < M, other=0) + before, mask=c < M)
     else:
         p = tl.arange(0, TP)
-        q = pid - NP
+        q = pid - NB
         if q < G:  # group q's padding rows (the last group_rows[q] − counts[q] of its rows), and its row tiles
             count, group_rows, start = tl.load(COUNTS + q), tl.load(GROUP_ROWS + q), tl.load(STARTS + G + q)
             tl.store(PAD_ROWS + tl.load(STARTS + 2 * G + q) + p, start + count + p, mask=p < group_rows - count)
@@ -155,14 +144,13 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     m, dev = keys.numel(), keys.device
     gp = triton.next_power_of_2(max(groups, 1))
     if keys.is_cuda:
-        pb, chunks = min(GPU_BLOCK_MAX, max(16, GPU_TILE_ELEMS // gp)), GPU_COUNT_CHUNKS
-        opts = {"num_warps": GPU_NUM_WARPS}
+        block, opts = min(GPU_BLOCK_MAX, max(16, GPU_TILE_ELEMS // gp)), {"num_warps": GPU_NUM_WARPS}
     elif interpreter_active():
-        pb, chunks, opts = INTERPRET_BLOCK, INTERPRET_COUNT_CHUNKS, {}
+        block, opts = INTERPRET_BLOCK, {}
     else:
         raise RuntimeError("the Triton routing-plan kernels got a CPU tensor, but Triton's interpreter is off: "
                            "set TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
-    nb, n_place = triton.cdiv(m, pb * chunks), triton.cdiv(m, pb)
+    nb = triton.cdiv(m, block)
     order, inverse = (torch.empty(m, dtype=torch.int64, device=dev) for _ in range(2))
     counts, group_rows = (torch.empty(groups, dtype=torch.int64, device=dev) for _ in range(2))
     pad_rows = torch.empty(rows - m, dtype=torch.int64, device=dev)
@@ -175,15 +163,14 @@ def routing_plan(keys: torch.Tensor, groups: int, row_tile: int, rows: int
     n_block = torch.empty(groups, nb, dtype=torch.int32, device=dev)
     before = torch.empty_like(n_block)
     starts = torch.empty(3, groups, dtype=torch.int64, device=dev)
-    _block_counts_kernel[(nb,)](keys, n_block, m, nb, groups, PB=pb, CHUNKS=chunks, GP=gp, **opts)
+    _block_counts_kernel[(nb,)](keys, n_block, m, nb, groups, BLOCK=block, GP=gp, **opts)
     _scan_blocks_kernel[(groups,)](n_block, before, counts, group_rows, nb, T=row_tile,
                                    CHUNK=min(SCAN_CHUNK, triton.next_power_of_2(nb)))
     _group_starts_kernel[(1,)](counts, group_rows, starts, offsets, groups, GP=gp)
     tp = triton.next_power_of_2(row_tile)
     pad_programs = groups + triton.cdiv(rows - m, tp) if row_tile > 1 else 0
-    _place_kernel[(n_place + pad_programs,)](keys, before, counts, group_rows, starts, order, inverse, pad_rows,
-                                             tile_group, m, nb, n_place, groups, rows, PB=pb, CHUNKS=chunks,
-                                             T=row_tile, TP=tp, **opts)
+    _place_kernel[(nb + pad_programs,)](keys, before, counts, group_rows, starts, order, inverse, pad_rows, tile_group,
+                                        m, nb, groups, rows, BLOCK=block, T=row_tile, TP=tp, **opts)
     return order, inverse, counts, group_rows, pad_rows, offsets, tile_group
 
 

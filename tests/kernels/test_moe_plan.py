@@ -94,14 +94,7 @@ def test_errors():
 @pytest.mark.parametrize("N,E,k,row_tile", [(37, 8, 3, 1), (37, 8, 3, 4), (50, 6, 2, 8), (1, 5, 1, 4),
                                             (100, 96, 4, 16), (64, 8, 2, 8), (0, 8, 2, 4)])
 @pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
-@pytest.mark.parametrize("count_chunks", [1, 3])
-def test_triton_matches_reference(N, E, k, row_tile, skew, count_chunks, monkeypatch):
-    """``count_chunks``: place tiles a count block (``triton_plan.*_COUNT_CHUNKS``; 3 makes the place kernel rank its
-    copies against earlier tiles of their block)."""
-    from kernels.moe_plan import triton_plan
-
-    monkeypatch.setattr(triton_plan, "INTERPRET_COUNT_CHUNKS", count_chunks)
-    monkeypatch.setattr(triton_plan, "GPU_COUNT_CHUNKS", count_chunks)
+def test_triton_matches_reference(N, E, k, row_tile, skew):
     experts = experts_of(N, E, k, seed=N + E + row_tile, skew=skew)
     want = routing_plan(experts, E, row_tile, backend="torch")
     for keys in (experts, experts.int()):

@@ -2,6 +2,11 @@
 the warps a program, at bench-1B's routing (16384 tokens, 8 of 128 experts, row tile 64), natural and skewed; each
 plan checked equal to the reference, then timed as CUDA-graph replays of the whole plan (µs a call).
 
+The kernels' CHUNKS are not on main: session 39 measured them (one H200, natural routing: 1 chunk 22.2 µs with 4 or 8
+warps, 2 chunks 22.2-23.3, 4 24.7-27.1, 8 27.3-43.1, 16 37.3-218.7; docs/results/
+moe_plan_count_chunks_s39_h200_2026-12-04.json) and removed them; apply the patch to run the sweep again.
+
+    git apply docs/experiments/plan_chunks/count_chunks.patch
     python docs/experiments/plan_chunks/sweep.py out.json
 """
 
