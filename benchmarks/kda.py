@@ -145,7 +145,7 @@ def profile_kernels(fn, inputs, cu, do, iters=5):
         for x in leaves:
             x.grad = None
         torch.autograd.backward(fn(*leaves, cu), do)
-    return {name[:60]: ms for name, ms in kernel_ms(step, iters).items()}
+    return kernel_ms(step, iters, name_chars=60)
 
 
 SWEEP = [  # overrides of kernels.kda.chunk.CONFIG (defaults first)

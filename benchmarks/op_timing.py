@@ -11,6 +11,7 @@ autograd and launch overhead that ``do_bench`` includes once the host, not the G
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from typing import Callable
@@ -57,9 +58,17 @@ def held_mib(forward: Callable[[], torch.Tensor], device: str) -> float | None:
     return held
 
 
+def kernel_key(name: str, name_chars: int = 80) -> str:
+    """A kernel's name cut to ``name_chars``, with a short hash of the whole name where it was cut: template
+    kernels (CUTLASS's mangled names) share long prefixes, and cut bare they would be summed as one kernel."""
+    if len(name) <= name_chars:
+        return name
+    return f"{name[:name_chars]} #{hashlib.sha1(name.encode()).hexdigest()[:6]}"
+
+
 def kernel_ms(fn: Callable[[], object], iters: int = 5, name_chars: int = 80) -> dict[str, float]:
-    """{kernel name: GPU ms per call of fn}, largest first, from torch.profiler over ``iters`` calls
-    after two untimed ones. Eager launches, so the sum can exceed a CUDA-graph replay's time only by
+    """{kernel name (``kernel_key``): GPU ms per call of fn}, largest first, from torch.profiler over ``iters``
+    calls after two untimed ones. Eager launches, so the sum can exceed a CUDA-graph replay's time only by
     gaps, not by host overhead (the profiler times kernels on the device)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -76,5 +85,6 @@ def kernel_ms(fn: Callable[[], object], iters: int = 5, name_chars: int = 80) ->
         if t is None:
             t = e.cuda_time_total
         if t > 0:
-            out[e.key[:name_chars]] = out.get(e.key[:name_chars], 0.0) + t / 1e3 / iters
+            key = kernel_key(e.key, name_chars)
+            out[key] = out.get(key, 0.0) + t / 1e3 / iters
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
