@@ -238,6 +238,12 @@ class RoutedExperts(nn.Module):
         """The rows each expert's group is padded to a multiple of (1: no padding)."""
         return self._gemm.row_tile
 
+    @property
+    def takes_row_weights(self) -> bool:
+        """Whether the gate weights can ride in SiTU's pass (``row_weights``): not where QAT quantises the inputs,
+        SiTU's unweighted output among them."""
+        return self.input_fake_quant is None
+
     def _operands(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_fake_quant is not None:
             x = self.input_fake_quant(x)
@@ -302,10 +308,10 @@ class RoutedExperts(nn.Module):
 def experts_and_combine(dispatcher, experts: RoutedExperts, grouped: torch.Tensor, tokens_per_expert: torch.Tensor,
                         weights: torch.Tensor, handle) -> torch.Tensor:
     """u [N, ℓ], u_i = Σ_j weights_ij · y_(i,j): the routed experts on ``dispatcher.dispatch``'s rows and the
-    weighted sum back. Where the dispatcher gives each row its weight (``grouped_weights``) and the experts
-    quantise no inputs (QAT quantises SiTU's unweighted output), the weights ride in SiTU's pass and the
-    combine is unweighted, so its backward no longer reads the expert outputs again."""
-    row_weights = dispatcher.grouped_weights(handle) if experts.input_fake_quant is None else None
+    weighted sum back. Where the dispatcher gives each row its weight (``grouped_weights``: dispatch was given the
+    weights) and the experts take them (``takes_row_weights``), the weights ride in SiTU's pass and the combine is
+    unweighted, so its backward no longer reads the expert outputs again."""
+    row_weights = dispatcher.grouped_weights(handle) if experts.takes_row_weights else None
     y = experts(grouped, tokens_per_expert, *dispatcher.expert_stacks(experts, handle), row_weights=row_weights,
                 layout=dispatcher.group_layout(handle))
     return dispatcher.combine(y, weights if row_weights is None else None, handle)
@@ -369,8 +375,8 @@ class LatentMoE(nn.Module):
         routing = self.gate(x)
         z = self.tp.copy_to_tp(self.routed_expert_down_proj(x))
         weights = self.tp.copy_to_tp(routing.weights)
-        grouped, tokens_per_expert, handle = self.dispatcher.dispatch(z, routing.experts, self.experts.row_tile,
-                                                                      weights)
+        grouped, tokens_per_expert, handle = self.dispatcher.dispatch(
+            z, routing.experts, self.experts.row_tile, weights if self.experts.takes_row_weights else None)
         if observe:
             self.load.add(handle.tokens_per_expert, routing.experts.numel(), grouped.shape[0])
             self.balancer.observe(routing.scores, routing.cutoff, self.gate.e_score_correction_bias,

@@ -232,8 +232,7 @@ def dispatch_weighted_rows(z: torch.Tensor, weights: torch.Tensor, order: torch.
         raise ValueError(f"weights must be a floating [{z.shape[0]}, {top_k}] tensor on {z.device}, got "
                          f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
     if use_triton(z, backend, "MoE permute"):
-        x, xw = _dispatch_call(_rows(z), inverse.contiguous(), int(top_k), pad_rows, weights.contiguous())
-        return x, xw
+        return _dispatch_call(_rows(z), inverse.contiguous(), int(top_k), pad_rows, weights.contiguous())
     return (reference.dispatch_rows(z, order, inverse, top_k, pad_rows),
             reference.dispatch_rows(weights.reshape(-1, 1), order, inverse, 1, pad_rows).squeeze(1))
 
