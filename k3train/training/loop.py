@@ -38,7 +38,7 @@ from k3train.config.schema import K3Config
 from k3train.config.validate import precision_dtypes
 from k3train.data.batches import batch_to_device
 from k3train.model.k3 import K3Model
-from k3train.model.moe import grouped_gemm_configs, set_expert_gemm, update_router_biases
+from k3train.model.moe import expert_gemm_line, set_expert_gemm, update_router_biases
 from k3train.optim.builder import build_optimizer, build_scheduler
 from k3train.optim.qk_clip import apply_qk_clip, track_max_logits
 from k3train.parallel.grad_buffers import GradBuffers
@@ -205,15 +205,10 @@ class Trainer:
                     " (the pipeline interleaves the micro-batches)" if pipelined else "")
             print(f"Quantile Balancing: {how}{', re-scored' if m.qb_rescore_stride else ''} "
                   f"(model.qb_updates_per_step, model.qb_step_feedback, model.qb_rescore_stride)", flush=True)
-            if (gemm := self.cfg.precision.expert_gemm) != "torch":
-                parsed = grouped_gemm_configs(gemm)
-                situ = ""
-                if parsed.situ_epilogue:
-                    situ = ("; SiTU in the products' epilogues" if self.device.type == "cuda" and
-                            not self.cfg.precision.expert_qat else
-                            "; SiTU in a pass of its own (the epilogues need CUDA and no expert QAT)")
-                print(f"Routed experts: grouped GEMMs on {gemm} (precision.expert_gemm), each expert's rows padded to "
-                      f"a multiple of {parsed.row_tile}{situ}", flush=True)
+            line = expert_gemm_line(self.cfg.precision.expert_gemm, self.device, self.cfg.precision.expert_qat,
+                                    self.cfg.parallel.expert)
+            if line:
+                print(line, flush=True)
         if pipelined:
             from k3train.parallel.pipeline.runtime import PipelineSchedule
 

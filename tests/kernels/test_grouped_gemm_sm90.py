@@ -309,3 +309,27 @@ def test_routed_experts_grouped_gemm_names():
             grouped_gemm_configs(bad)
     with pytest.raises(ValueError, match="grouped GEMM 'cutlass:9'"):
         grouped_linear(torch.randn(4, 8), torch.randn(2, 6, 8), torch.tensor([2, 4], dtype=torch.int32), "cutlass:9")
+
+
+def test_expert_gemm_start_up_line(monkeypatch, tmp_path):
+    """The trainer's line on the routed experts' GEMMs: a CUTLASS form's padded layout and where SiTU runs; for
+    torch, on a Hopper GPU without expert parallelism only, the faster form and whether its library is built."""
+    from k3train.model import moe
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    line = moe.expert_gemm_line("fused:1:w", cuda, False, 1)
+    assert line.endswith("a multiple of 64; SiTU in the products' epilogues")
+    assert "SiTU in a pass of its own" in moe.expert_gemm_line("fused:1", cpu, False, 1)
+    assert moe.expert_gemm_line("tiles:1", cuda, True, 1).endswith("a multiple of 64")
+    assert moe.expert_gemm_line("torch", cpu, False, 1) is None
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    library = tmp_path / "libk3gg.so"
+    monkeypatch.setenv("K3_GROUPED_GEMM_LIB", str(library))
+    hint = moe.expert_gemm_line("torch", cuda, False, 1)
+    assert "precision.expert_gemm=fused:1:w is faster" in hint and "build its library first" in hint
+    library.write_bytes(b"")
+    assert moe.expert_gemm_line("torch", cuda, False, 1).endswith(f"its library is at {library}")
+    assert moe.expert_gemm_line("torch", cuda, False, 2) is None  # the CUTLASS forms run without expert parallelism
+    capability["value"] = (8, 0)
+    assert moe.expert_gemm_line("torch", cuda, False, 1) is None
